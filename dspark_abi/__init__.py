@@ -1,0 +1,36 @@
+"""dspark_abi: the typed, validated metadata ABI of packed multi-request DSpark prefill."""
+
+from dspark_abi.allocator import BlockAllocator
+from dspark_abi.batch import PackedBatch, PoolBlocks, RankView, RequestTables, SlotMappings
+from dspark_abi.builder import BatchBuilder
+from dspark_abi.config import ModelConfig, MoEConfig, RopeScaling
+from dspark_abi.errors import CODES, ABIError, Issue, ValidationReport
+from dspark_abi.layout import POOL_NAMES, CacheLayout, PoolLayout
+from dspark_abi.lowering import lower_local_request_ids
+from dspark_abi.policy import PaddingPolicy
+from dspark_abi.validate import validate_arrays
+
+__version__ = "1.0.0"
+#: Version of the metadata ABI specification this library implements (spec/v1).
+ABI_VERSION = "1.0"
+
+
+def validate(batch_or_arrays, config=None, policy=None, pool_blocks=None, *, hidden=None, level="full"):
+    """Validate a :class:`PackedBatch` (with optional hidden rows) or flat ABI arrays; returns a report.
+
+    For arrays, pass ``config``, ``policy`` and ``pool_blocks``. Never raises for bad data.
+    """
+    if isinstance(batch_or_arrays, PackedBatch):
+        b = batch_or_arrays
+        return validate_arrays(b.to_arrays(), b.config, b.policy, b.pool_blocks, hidden=hidden, level=level)
+    if config is None or policy is None or pool_blocks is None:
+        raise TypeError("validate(arrays, config, policy, pool_blocks): all three are required for raw arrays")
+    return validate_arrays(batch_or_arrays, config, policy, pool_blocks, hidden=hidden, level=level)
+
+
+__all__ = [
+    "ABI_VERSION", "CODES", "POOL_NAMES", "ABIError", "BatchBuilder", "BlockAllocator", "CacheLayout", "Issue",
+    "ModelConfig", "MoEConfig", "PackedBatch", "PaddingPolicy", "PoolBlocks", "PoolLayout", "RankView",
+    "RequestTables", "RopeScaling", "SlotMappings", "ValidationReport", "lower_local_request_ids", "validate",
+    "validate_arrays",
+]

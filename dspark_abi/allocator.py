@@ -1,0 +1,190 @@
+"""`BlockAllocator`: the serving side's free lists and per-request tables of the seven pools.
+
+It persists across steps. Each step maps every page a request reads or writes in that call
+(window, compressed history, state history) and recycles state-ring pages that fell out of the
+carried history. A step is all or nothing: if any pool is short, :class:`ABIError`
+``alloc.exhausted`` is raised and no table or free list changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from dspark_abi.batch import PoolBlocks
+from dspark_abi.config import ModelConfig
+from dspark_abi.errors import ABIError, Issue
+from dspark_abi.layout import POOL_NAMES, PoolLayout
+
+
+def _expand(lo: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged ranges -> (owner index, value) pairs: owner i yields lo[i], lo[i]+1, ..., lo[i]+count[i]-1."""
+    owner = np.repeat(np.arange(lo.size), count)
+    first = np.cumsum(count) - count
+    return owner, lo[owner] + (np.arange(owner.size) - first[owner])
+
+
+@attrs.frozen
+class StepPlan:
+    """What one step would change: per pool, the table cells to map and the cells to release."""
+
+    request_ids: tuple[int, ...]
+    new_ids: tuple[int, ...]
+    rows: np.ndarray                                   # [R] allocator table row of each request
+    map_cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]      # pool -> (rows, pages, blocks)
+    release_cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # pool -> (rows, pages, blocks)
+    ends: np.ndarray                                   # [R] cached tokens after the step
+    state_keep: dict[str, np.ndarray]                  # state pool -> [R] first page kept after the step
+
+
+class BlockAllocator:
+    """Free lists and per-request block tables of all seven pools.
+
+    pool_blocks: physical blocks per pool (``PoolBlocks`` or a mapping pool -> int). Blocks are handed
+    out lowest id first, so runs are deterministic.
+    """
+
+    def __init__(self, config: ModelConfig, pool_blocks: PoolBlocks | Mapping[str, int], *, capacity: int = 16):
+        self.config = config
+        self.layout = config.layout
+        self.pool_blocks = PoolBlocks.from_mapping(pool_blocks)
+        # free stacks hold ids in descending order so that popping from the end yields ascending ids
+        self._free = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32) for p in POOL_NAMES}
+        self._tables = {p: np.full((capacity, self.layout.pools[p].table_width), -1, np.int32) for p in POOL_NAMES}
+        self._state_floor = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}  # lowest maybe-mapped page
+        self._row_of: dict[int, int] = {}
+        self._cached: dict[int, int] = {}
+        self._spare_rows: list[int] = list(range(capacity - 1, -1, -1))
+
+    # ------------------------------------------------------------------ queries
+    def free_blocks(self, pool: str) -> int:
+        return int(self._free[pool].size)
+
+    def knows(self, request_id: int) -> bool:
+        return request_id in self._row_of
+
+    def cached_tokens(self, request_id: int) -> int:
+        """Tokens of ``request_id`` whose caches earlier steps wrote (its next start position)."""
+        if request_id not in self._cached:
+            raise ABIError([Issue("alloc.unknown_request", "request_id", "request is not allocated",
+                                  expected="a request added earlier", actual=request_id)])
+        return self._cached[request_id]
+
+    def table_rows(self, request_ids: Sequence[int]) -> dict[str, np.ndarray]:
+        """pool -> [R, width] int32 copy of the tables of ``request_ids`` (in that order)."""
+        rows = np.array([self._row_of[r] for r in request_ids], dtype=np.int64)
+        return {p: self._tables[p][rows] for p in POOL_NAMES}
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
+        """Compute the mappings a step needs; raises ``alloc.exhausted`` (changing nothing) if short."""
+        new_ids = tuple(r for r in request_ids if r not in self._row_of)
+        if len(new_ids) > len(self._spare_rows):
+            self._grow(len(self._row_of) + len(new_ids))
+        spare = iter(reversed(self._spare_rows))
+        provisional = {r: next(spare) for r in new_ids}
+        rows = np.array([self._row_of.get(r, provisional.get(r)) for r in request_ids], dtype=np.int64)
+        starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+        map_cells, release_cells, state_keep, short = {}, {}, {}, []
+        for p in POOL_NAMES:
+            pl = self.layout.pools[p]
+            fresh = np.isin(rows, list(provisional.values()))
+            released = self._plan_release(pl, rows, starts, ends, fresh)
+            cells = self._plan_map(pl, rows, starts, ends, fresh)
+            available = self._free[p].size + released[0].size
+            if cells[0].size > available:
+                short.append(Issue("alloc.exhausted", f"pool_blocks.{p}",
+                                   f"pool {p!r} has {available} free blocks, this step needs {cells[0].size}",
+                                   expected=f">= {cells[0].size} free", actual=available))
+                continue
+            map_cells[p], release_cells[p] = cells, released
+            if pl.is_state:
+                keep = np.maximum(0, starts - pl.state_len) // pl.page_size
+                state_keep[p] = np.where(ends > starts, keep, 0)
+        if short:
+            raise ABIError(short)
+        # blocks are assigned in plan order: released blocks are reused first, then the free stack
+        for p in POOL_NAMES:
+            r_rows, r_pages = map_cells[p]
+            pool = np.concatenate([self._free[p], release_cells[p][2][::-1].astype(np.int32)])
+            blocks = pool[::-1][: r_rows.size] if r_rows.size else np.empty(0, np.int32)
+            map_cells[p] = (r_rows, r_pages, blocks.astype(np.int32))
+        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, state_keep)
+
+    def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                  fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = _live_range(pl, starts, ends, self.config.sliding_window)
+        has = hi > lo
+        page_lo = np.where(has, lo // pl.page_size, 0)
+        count = np.where(has, (hi - 1) // pl.page_size - page_lo + 1, 0)
+        owner, page = _expand(page_lo, count)
+        current = np.where(fresh[owner], -1, self._tables[pl.name][rows[owner], page])
+        need = current < 0
+        return rows[owner][need], page[need]
+
+    def _plan_release(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                      fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        empty = (np.empty(0, np.int64),) * 3
+        if not pl.is_state:
+            return empty
+        floor = np.where(fresh, 0, self._state_floor[pl.name][rows])
+        keep_from = np.maximum(0, starts - pl.state_len) // pl.page_size
+        count = np.where((ends > starts) & ~fresh, np.maximum(keep_from - floor, 0), 0)
+        owner, page = _expand(floor, count)
+        blocks = self._tables[pl.name][rows[owner], page].astype(np.int64)
+        mapped = blocks >= 0
+        return rows[owner][mapped], page[mapped], blocks[mapped]
+
+    # ------------------------------------------------------------------ mutation
+    def commit(self, plan: StepPlan) -> None:
+        """Apply a plan made by :meth:`plan` on this allocator's current state."""
+        for r in plan.new_ids:
+            self._row_of[r] = self._spare_rows.pop()
+        for p in POOL_NAMES:
+            pl = self.layout.pools[p]
+            r_rows, r_pages, r_blocks = plan.release_cells[p]
+            self._tables[p][r_rows, r_pages] = -1
+            m_rows, m_pages, m_blocks = plan.map_cells[p]
+            stack = np.concatenate([self._free[p], r_blocks[::-1].astype(np.int32)])
+            self._free[p] = stack[: stack.size - m_blocks.size]
+            self._tables[p][m_rows, m_pages] = m_blocks
+            if pl.is_state:  # nothing below the first kept page is mapped any more
+                floor = self._state_floor[p]
+                floor[plan.rows] = np.maximum(floor[plan.rows], plan.state_keep[p])
+        for r, end in zip(plan.request_ids, plan.ends.tolist(), strict=True):
+            self._cached[r] = int(end)
+
+    def release(self, request_id: int) -> None:
+        """Return every block of ``request_id`` to the free lists and forget it."""
+        if request_id not in self._row_of:
+            raise ABIError([Issue("alloc.unknown_request", "request_id", "request is not allocated",
+                                  expected="a request added earlier", actual=request_id)])
+        row = self._row_of.pop(request_id)
+        self._cached.pop(request_id, None)
+        for p in POOL_NAMES:
+            table_row = self._tables[p][row]
+            held = table_row[table_row >= 0]
+            self._free[p] = np.concatenate([self._free[p], np.sort(held)[::-1].astype(np.int32)])
+            table_row[:] = -1
+            self._state_floor[p][row] = 0
+        self._spare_rows.append(row)
+
+    def _grow(self, needed: int) -> None:
+        old = next(iter(self._tables.values())).shape[0]
+        new = max(needed, 2 * old)
+        for p in POOL_NAMES:
+            grown = np.full((new, self._tables[p].shape[1]), -1, np.int32)
+            grown[:old] = self._tables[p]
+            self._tables[p] = grown
+            floor = np.zeros(new, np.int64)
+            floor[:old] = self._state_floor[p]
+            self._state_floor[p] = floor
+        self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
+
+
+def _live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    from dspark_abi.rules import _live_range as rule
+
+    return rule(pl, start, end, window)

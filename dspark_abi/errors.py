@@ -1,0 +1,193 @@
+"""Structured validation errors: stable codes, `Issue`, `ValidationReport` and `ABIError`.
+
+Every code the library can raise is registered in :data:`CODES` with a one-line meaning and a
+fix hint. ``docs/errors.md`` and ``spec/v1/abi.md`` list exactly these codes; a test keeps the
+three in agreement.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+#: code -> (what it means, how to fix it)
+CODES: dict[str, tuple[str, str]] = {
+    # ---- query_start_loc and geometry
+    "qsl.shape": ("query_start_loc is not a 1-D array of length >= 2",
+                  "pass [0, q0, q0+q1, ..., N] with one entry per request plus one"),
+    "qsl.start": ("query_start_loc[0] is not 0", "prefix offsets start at 0"),
+    "qsl.non_monotonic": ("query_start_loc decreases", "offsets must be non-decreasing (a length cannot be negative)"),
+    "qsl.token_count": ("N = query_start_loc[-1] is outside [1, token_cap]",
+                        "split the batch so that 1 <= N <= policy.token_cap"),
+    "qsl.empty_request": ("a request has zero new tokens but the policy forbids it",
+                          "drop the request or set PaddingPolicy(allow_empty_requests=True)"),
+    "geometry.rows": ("a token-axis array does not have P (full) or L (rank-local) rows",
+                      "size full arrays to P = align_up(N, TP) and local ones to L = P / TP"),
+    # ---- arrays
+    "array.missing": ("a required array is absent", "provide every required ABI field"),
+    "array.dtype": ("an array has the wrong dtype", "cast to the dtype the ABI names (int32 / int64 / float)"),
+    "array.shape": ("an array has the wrong rank or shape", "reshape to the symbolic shape the ABI names"),
+    # ---- block tables
+    "tables.request_count": ("a block table's dim 0 is not R = len(query_start_loc) - 1",
+                             "give every one of the seven tables exactly one row per request"),
+    "tables.width": ("a block table's width differs from the config's layout",
+                     "use ModelConfig.layout.pools[name].table_width columns"),
+    "tables.block_range": ("a block-table entry read by this call is < -1 or >= the pool's block count",
+                           "use -1 for unmapped pages and block ids in [0, pool_blocks)"),
+    "pools.blocks": ("pool block counts are missing or not positive", "give all seven pools >= 1 block"),
+    # ---- positions
+    "positions.negative": ("a live position is negative", "positions are absolute in-request indices >= 0"),
+    "positions.not_contiguous": ("positions inside a request are not start, start+1, ...",
+                                 "a request's new tokens must be consecutive positions"),
+    "positions.out_of_range": ("a live position is >= max_position_embeddings",
+                               "stop the request before the model's maximum context"),
+    # ---- padding rows
+    "padding.position": ("a padding row's position differs from the padding policy",
+                         "fill padding positions as PaddingPolicy.pad_position says"),
+    "padding.slot": ("a padding row has a slot mapping other than -1", "padding rows must never write"),
+    "padding.hidden": ("a padding row of the hidden state is not zero", "zero hidden rows N..P-1"),
+    "padding.token_id": ("a padding row's token id differs from the policy's pad id", "fill with PaddingPolicy.pad_token_id"),
+    # ---- slot mappings
+    "slots.mismatch": ("a live token's slot differs from the row its request's table gives",
+                       "derive slots from the tables: block*page_size + offset (see spec section 5)"),
+    "slots.off_boundary": ("a compressed-pool slot is set on a token that is not a ratio boundary",
+                           "set csa_cmp/idx/hca_cmp slots only where (p+1) % ratio == 0, else -1"),
+    "slots.range": ("a slot is < -1 or beyond the pool's rows", "slots must be -1 or in [0, pool_blocks*page_size)"),
+    "tables.alias": ("two logical pages a request uses in this call map to the same physical block",
+                     "give every logical page of a request its own block"),
+    "writes.duplicate": ("two live tokens write the same physical row of a pool",
+                         "give every written logical row its own physical row"),
+    # ---- reads, isolation, state rings
+    "coverage.unmapped": ("a page the request reads or writes in this call is unmapped (-1)",
+                          "map the window, compressed history and state history pages before the call"),
+    "isolation.foreign_write": ("the batch writes a row that lies in a page another request reads or writes",
+                                "never share a written page between requests"),
+    "state.ring_alias": ("two positions of a request's live state range map to the same state row",
+                         "the state ring must hold state_len + chunk positions without wrapping"),
+    # ---- misc fields
+    "logits.range": ("a logit row index is not -1 and not in [0, N)", "point logit rows at live tokens or use -1"),
+    "request_ids.duplicate": ("two requests share a serving request id", "request ids must be unique in a batch"),
+    "token_ids.range": ("a live token id is < 0 or >= vocab_size", "token ids must be valid vocabulary ids"),
+    # ---- TP ranks
+    "rank.index": ("rank is outside [0, TP)", "ask for a rank in range"),
+    "rank.replicated_mismatch": ("a field that must be identical on every rank differs between ranks",
+                                 "replicate query_start_loc, tables and *_full tensors unchanged to every rank"),
+    "rank.local_mismatch": ("a rank-local field differs from its slice of the full field",
+                            "local rows of rank r are full rows [r*L, (r+1)*L)"),
+    # ---- config / policy / cross-object
+    "config.invalid": ("a configuration value is missing or invalid", "fix the named key"),
+    "config.mismatch": ("an object was built for another ModelConfig or policy", "use objects built from one config"),
+    # ---- serving-side builder
+    "builder.request": ("a request given to the builder is invalid", "see the message for the offending value"),
+    "alloc.exhausted": ("a pool has too few free blocks for this step",
+                        "release finished requests or allocate bigger pools; nothing was allocated"),
+    "alloc.unknown_request": ("the allocator does not know this request id", "add it before use, release it once"),
+}
+
+
+@attrs.frozen
+class Issue:
+    """One violated rule: stable ``code``, where (``field``, ``index``, ``request``), what was wanted."""
+
+    code: str
+    field: str
+    message: str
+    index: int | None = None
+    request: int | None = None
+    expected: Any = None
+    actual: Any = None
+    count: int = 1
+    """How many elements violate the rule (only the first, ``index``, is named)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.code not in CODES:
+            raise KeyError(f"unregistered issue code {self.code!r}")
+
+    @property
+    def hint(self) -> str:
+        return CODES[self.code][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code, "field": self.field, "index": self.index, "request": self.request,
+            "expected": _jsonable(self.expected), "actual": _jsonable(self.actual), "count": self.count,
+            "message": self.message, "hint": self.hint,
+        }
+
+    def __str__(self) -> str:
+        where = self.field + (f"[{self.index}]" if self.index is not None else "")
+        req = f" (request {self.request})" if self.request is not None else ""
+        more = f" [{self.count} elements]" if self.count > 1 else ""
+        exp = ""
+        if self.expected is not None or self.actual is not None:
+            exp = f"; expected {_jsonable(self.expected)}, got {_jsonable(self.actual)}"
+        return f"{self.code}: {where}{req}: {self.message}{exp}{more}. Fix: {self.hint}"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+class ABIError(ValueError):
+    """Raised when metadata violates the ABI; carries every issue found, not only the first."""
+
+    def __init__(self, issues: Iterable[Issue]):
+        self.issues: tuple[Issue, ...] = tuple(issues)
+        super().__init__(self._render())
+
+    @property
+    def codes(self) -> set[str]:
+        return {i.code for i in self.issues}
+
+    def _render(self) -> str:
+        lines = [f"{len(self.issues)} ABI issue(s):"] + [f"  - {i}" for i in self.issues]
+        return "\n".join(lines)
+
+
+@attrs.frozen
+class ValidationReport:
+    """Every issue found by :func:`dspark_abi.validate`; ``ok`` when there are none."""
+
+    issues: tuple[Issue, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.issues
+
+    @property
+    def codes(self) -> set[str]:
+        return {i.code for i in self.issues}
+
+    def raise_if_invalid(self) -> None:
+        if self.issues:
+            raise ABIError(self.issues)
+
+    def to_json(self) -> str:
+        return json.dumps({"ok": self.ok, "issues": [i.to_dict() for i in self.issues]}, indent=2)
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "valid"
+        return "\n".join(str(i) for i in self.issues)
+
+
+def first_violation(mask: np.ndarray) -> tuple[int, int] | None:
+    """(first index, count) of True entries in a 1-D mask, or None."""
+    hits = np.flatnonzero(mask)
+    if hits.size == 0:
+        return None
+    return int(hits[0]), int(hits.size)
+
+
+def codes_of(issues: Sequence[Issue]) -> set[str]:
+    return {i.code for i in issues}

@@ -1,0 +1,45 @@
+"""`PaddingPolicy`: how a packed batch is padded to the TP group's row count, in one object."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dspark_abi._base import StrictModel, align_up
+
+#: Upstream's group capacity (the token all-gather window holds 8192 rows).
+DEFAULT_TOKEN_CAP = 8192
+
+
+class PaddingPolicy(StrictModel):
+    """Tensor-parallel padding rules of one TP group.
+
+    The N live tokens are padded to ``P = align_up(N, tp_size)`` rows so that every rank owns
+    ``L = P / tp_size`` contiguous rows. Rows ``N..P-1`` are padding rows.
+    """
+
+    tp_size: int = Field(default=1, ge=1, le=64)
+    """Ranks in the TP group (TP); rank r owns rows [r*L, (r+1)*L)."""
+    token_cap: int = Field(default=DEFAULT_TOKEN_CAP, ge=1)
+    """Largest N accepted (upstream's group capacity is 8192)."""
+    pad_slot: Literal[-1] = -1
+    """Slot-mapping value of padding rows in all seven mappings: never write (vLLM's PAD_SLOT_ID)."""
+    pad_request_id: Literal[-1] = -1
+    """Local request id of padding rows (owned by no request)."""
+    pad_position: Literal["zero", "continue"] = "zero"
+    """Positions of padding rows: 'zero' puts 0 (always inside every RoPE table); 'continue'
+    continues the last live row's position (p_last + 1, p_last + 2, ..., upstream's b1 fixture),
+    which must stay < max_position_embeddings."""
+    pad_token_id: int = Field(default=0, ge=0)
+    """Token id of padding rows (when token ids are given)."""
+    allow_empty_requests: bool = True
+    """Accept requests with zero new tokens (``query_start_loc[r] == query_start_loc[r+1]``)."""
+
+    def padded_rows(self, num_tokens: int) -> int:
+        """P for N live tokens."""
+        return align_up(num_tokens, self.tp_size)
+
+    def local_rows(self, num_tokens: int) -> int:
+        """L for N live tokens."""
+        return self.padded_rows(num_tokens) // self.tp_size

@@ -1,0 +1,198 @@
+"""The value-level ABI rules (positions, padding, slots vs tables, writes, coverage, isolation).
+
+Called by :func:`dspark_abi.validate.validate_arrays` once shapes and dtypes are known to be right.
+Every rule is a vectorized mask over tokens or over the pages the call touches; each violated rule
+yields one :class:`Issue` naming the first offender and the number of offenders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.config import ModelConfig
+from dspark_abi.errors import Issue
+from dspark_abi.layout import POOL_NAMES, PoolLayout
+from dspark_abi.policy import PaddingPolicy
+
+
+def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message: str, *,
+          index_of: np.ndarray | None = None, request_of: np.ndarray | None = None,
+          expected: np.ndarray | Any = None, actual: np.ndarray | Any = None) -> None:
+    """Append one issue for the first True of ``mask`` (with the count of all)."""
+    hits = np.flatnonzero(mask)
+    if hits.size == 0:
+        return
+    k = int(hits[0])
+
+    def pick(v: Any) -> Any:
+        return v[k].item() if isinstance(v, np.ndarray) else v
+
+    index = int(index_of[k]) if index_of is not None else k
+    request = int(request_of[k]) if request_of is not None else None
+    issues.append(Issue(code, field, message, index=index, request=request, expected=pick(expected),
+                        actual=pick(actual), count=int(hits.size)))
+
+
+def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolicy, blocks: PoolBlocks,
+               qsl: np.ndarray, n_tokens: int, n_rows: int, positions: np.ndarray,
+               tables: dict[str, np.ndarray], slots: dict[str, np.ndarray], token_ids: np.ndarray | None,
+               logit_rows: np.ndarray | None, hidden: np.ndarray | None) -> None:
+    n, max_pos = n_tokens, config.max_position_embeddings
+    starts_row = qsl[:-1].astype(np.int64)
+    lengths = np.diff(qsl.astype(np.int64))
+    n_req = lengths.size
+    row_req = np.repeat(np.arange(n_req, dtype=np.int64), lengths)                 # [N]
+    pos = positions[:n].astype(np.int64)                                           # [N]
+    nonempty = lengths > 0
+    start = np.zeros(n_req, dtype=np.int64)
+    start[nonempty] = pos[starts_row[nonempty]]
+    end = start + lengths
+    expected_pos = start[row_req] + (np.arange(n) - starts_row[row_req])
+    tok = np.arange(n)
+
+    _flag(issues, "positions.negative", "positions", pos < 0, "live positions must be >= 0",
+          request_of=row_req, expected=">= 0", actual=pos)
+    _flag(issues, "positions.not_contiguous", "positions", pos != expected_pos,
+          "positions inside a request must be start, start+1, ...", request_of=row_req,
+          expected=expected_pos, actual=pos)
+    _flag(issues, "positions.out_of_range", "positions", pos >= max_pos,
+          f"positions must be < max_position_embeddings={max_pos}", request_of=row_req,
+          expected=f"< {max_pos}", actual=pos)
+    token_ok = (pos >= 0) & (pos < max_pos) & (pos == expected_pos)
+    request_ok = np.bincount(row_req[~token_ok], minlength=n_req) == 0
+    live = request_ok[row_req]                                                     # tokens fit for slot rules
+
+    _check_padding(issues, policy, n, n_rows, positions, slots, token_ids, hidden)
+    if token_ids is not None:
+        tid = token_ids[:n]
+        _flag(issues, "token_ids.range", "token_ids", (tid < 0) | (tid >= config.vocab_size),
+              f"token ids must be in [0, {config.vocab_size})", request_of=row_req,
+              expected=f"0..{config.vocab_size - 1}", actual=tid)
+    if logit_rows is not None:
+        _flag(issues, "logits.range", "logit_rows", (logit_rows != -1) & ((logit_rows < 0) | (logit_rows >= n)),
+              f"logit rows must be -1 or in [0, N={n})", expected=f"-1 or 0..{n - 1}", actual=logit_rows)
+
+    layout = config.layout
+    ok_req = request_ok & nonempty
+    for pool in POOL_NAMES:
+        pl = layout.pools[pool]
+        owners = _check_pages(issues, pl, blocks[pool], tables[pool], start, end, ok_req, config.sliding_window)
+        _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n], pos, row_req, live, tok, owners)
+
+
+def _check_padding(issues: list[Issue], policy: PaddingPolicy, n: int, n_rows: int, positions: np.ndarray,
+                   slots: dict[str, np.ndarray], token_ids: np.ndarray | None, hidden: np.ndarray | None) -> None:
+    pad = np.arange(n, n_rows)
+    if pad.size == 0:
+        return
+    if policy.pad_position == "zero":
+        want = np.zeros(pad.size, dtype=np.int64)
+    else:
+        want = int(positions[n - 1]) + 1 + np.arange(pad.size, dtype=np.int64)
+    got = positions[n:].astype(np.int64)
+    _flag(issues, "padding.position", "positions", got != want,
+          f"padding rows take positions by policy pad_position={policy.pad_position!r}", index_of=pad,
+          expected=want, actual=got)
+    for p in POOL_NAMES:
+        s = slots[p][n:]
+        _flag(issues, "padding.slot", SLOT_FIELDS[p], s != policy.pad_slot, "padding rows must not write",
+              index_of=pad, expected=policy.pad_slot, actual=s)
+    if token_ids is not None:
+        t = token_ids[n:]
+        _flag(issues, "padding.token_id", "token_ids", t != policy.pad_token_id, "padding token ids per policy",
+              index_of=pad, expected=policy.pad_token_id, actual=t)
+    if hidden is not None:
+        nonzero = np.any(hidden[n:].reshape(pad.size, -1) != 0, axis=1)
+        _flag(issues, "padding.hidden", "hidden", nonzero, "padding rows of the hidden state must be zero",
+              index_of=pad, expected=0.0, actual="nonzero row")
+
+
+def _live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logical ``[lo, hi)`` each request touches (same rule as CacheLayout.read_range, vectorized)."""
+    if pl.ratio:
+        return np.zeros_like(start), end // pl.ratio
+    reach = pl.state_len if pl.is_state else window - 1
+    return np.maximum(0, start - reach), end
+
+
+def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.ndarray,
+                 end: np.ndarray, use: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Coverage, block range, in-request aliasing; return per-block (min owner, max owner) of live pages."""
+    name = TABLE_FIELDS[pl.name]
+    lo, hi = _live_range(pl, start, end, window)
+    has = use & (hi > lo)
+    page_lo = np.where(has, lo // pl.page_size, 0)
+    count = np.where(has, (hi - 1) // pl.page_size - page_lo + 1, 0)
+    req = np.repeat(np.arange(start.size), count)
+    first = np.cumsum(count) - count
+    page = page_lo[req] + (np.arange(req.size) - first[req])
+    blk = table[req, page].astype(np.int64)
+    _flag(issues, "coverage.unmapped", name, blk == -1,
+          f"page read or written by this call is unmapped (logical {pl.name} indices [lo, hi) of the request)",
+          index_of=page, request_of=req, expected="mapped block", actual=blk)
+    _flag(issues, "tables.block_range", name, (blk < -1) | (blk >= n_blocks),
+          f"block ids must be -1 or in [0, {n_blocks})", index_of=page, request_of=req,
+          expected=f"-1..{n_blocks - 1}", actual=blk)
+    mapped = (blk >= 0) & (blk < n_blocks)
+    req_m, blk_m, page_m = req[mapped], blk[mapped], page[mapped]
+    key = req_m * n_blocks + blk_m
+    order = np.argsort(key, kind="stable")
+    dup = np.zeros(key.size, dtype=bool)
+    dup[order[1:]] = key[order[1:]] == key[order[:-1]]
+    code = "state.ring_alias" if pl.is_state else "tables.alias"
+    _flag(issues, code, name, dup, "two live logical pages of one request map to the same block",
+          index_of=page_m, request_of=req_m, expected="distinct blocks", actual=blk_m)
+    owner_min = np.full(n_blocks, np.iinfo(np.int64).max, dtype=np.int64)
+    owner_max = np.full(n_blocks, -1, dtype=np.int64)
+    np.minimum.at(owner_min, blk_m, req_m)
+    np.maximum.at(owner_max, blk_m, req_m)
+    return owner_min, owner_max
+
+
+def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, slot: np.ndarray,
+                 pos: np.ndarray, row_req: np.ndarray, live: np.ndarray, tok: np.ndarray,
+                 owners: tuple[np.ndarray, np.ndarray]) -> None:
+    name, ps = SLOT_FIELDS[pl.name], pl.page_size
+    n_rows = n_blocks * ps
+    out_of_range = (slot < -1) | (slot >= n_rows)
+    _flag(issues, "slots.range", name, out_of_range, f"slots must be -1 or in [0, {n_rows})",
+          request_of=row_req, expected=f"-1..{n_rows - 1}", actual=slot)
+    if pl.ratio:
+        boundary = (pos + 1) % pl.ratio == 0
+        _flag(issues, "slots.off_boundary", name, live & ~boundary & (slot != -1),
+              f"only tokens with (p+1) % {pl.ratio} == 0 write this pool", request_of=row_req, expected=-1,
+              actual=slot)
+        writer = live & boundary
+        logical = (pos + 1) // pl.ratio - 1
+    else:
+        writer = live
+        logical = pos
+    w = np.flatnonzero(writer)
+    blk = table[row_req[w], logical[w] // ps].astype(np.int64)
+    ok_blk = (blk >= 0) & (blk < n_blocks)                         # unmapped / bad blocks already reported
+    expected = blk * ps + logical[w] % ps
+    _flag(issues, "slots.mismatch", name, ok_blk & (slot[w] != expected) & ~out_of_range[w],
+          "slot must equal table[request, logical // page] * page_size + logical % page_size",
+          index_of=w, request_of=row_req[w], expected=expected, actual=slot[w])
+
+    written = np.flatnonzero((slot >= 0) & ~out_of_range)
+    rows = slot[written]
+    order = np.argsort(rows, kind="stable")
+    dup = np.zeros(rows.size, dtype=bool)
+    dup[order[1:]] = rows[order[1:]] == rows[order[:-1]]
+    _flag(issues, "writes.duplicate", name, dup, "two live tokens write the same physical row",
+          index_of=written, request_of=row_req[written], expected="unique rows", actual=rows)
+
+    owner_min, owner_max = owners
+    wblk, writer_req = rows // ps, row_req[written]
+    owned = owner_max[wblk] >= 0
+    foreign = owned & ((owner_min[wblk] != writer_req) | (owner_max[wblk] != writer_req))
+    other = np.where(owner_min[wblk] != writer_req, owner_min[wblk], owner_max[wblk])
+    _flag(issues, "isolation.foreign_write", name, foreign,
+          "written block lies in a page another request uses in this call", index_of=written,
+          request_of=writer_req, expected="block owned by the writer only",
+          actual=np.char.add("also used by request ", other.astype(str)) if foreign.any() else None)
+

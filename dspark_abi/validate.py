@@ -1,0 +1,150 @@
+"""`validate_arrays`: every ABI rule, vectorized, reporting every violation (not only the first).
+
+Checks run in two levels. ``level="shape"``: presence, dtypes, ranks, row counts, table widths
+and ``query_start_loc`` values (O(R + P)). ``level="full"`` (default) adds positions, padding rows,
+slot/table agreement, write uniqueness and bounds, read coverage, isolation and state rings; its
+cost is O(P + pages the call touches), independent of the table widths.
+Deep checks only run once the shapes are consistent, so one mistake does not cascade.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from dspark_abi.config import ModelConfig
+from dspark_abi.errors import Issue, ValidationReport
+from dspark_abi.layout import POOL_NAMES
+from dspark_abi.policy import PaddingPolicy
+
+Level = Literal["shape", "full"]
+
+
+def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
+                    pool_blocks: Any, *, hidden: Any = None, level: Level = "full") -> ValidationReport:
+    """Validate a packed batch given as flat ABI arrays; never raises for bad data, never mutates.
+
+    arrays: ``query_start_loc``, ``positions``, ``<pool>_block_table`` x7, ``<pool>_slot_mapping`` x7,
+    optional ``request_ids``, ``token_ids``, ``logit_rows``. hidden: optional [P, ...] float rows of the
+    input hidden state (padding rows must be zero).
+    """
+    from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+    from dspark_abi.errors import ABIError
+
+    issues: list[Issue] = []
+    try:
+        blocks = PoolBlocks.from_mapping(pool_blocks)
+    except ABIError as exc:
+        issues.extend(exc.issues)
+        blocks = None
+
+    qsl = _array(arrays, "query_start_loc", np.int32, 1, issues)
+    geometry = _check_qsl(qsl, policy, issues) if qsl is not None else None
+    n_req = len(qsl) - 1 if qsl is not None and qsl.ndim == 1 and len(qsl) >= 2 else None
+    rows = geometry[1] if geometry else None
+
+    positions = _array(arrays, "positions", np.int32, 1, issues, rows=rows)
+    tables = {p: _array(arrays, TABLE_FIELDS[p], np.int32, 2, issues) for p in POOL_NAMES}
+    slots = {p: _array(arrays, SLOT_FIELDS[p], np.int64, 1, issues, rows=rows) for p in POOL_NAMES}
+    layout = config.layout
+    for p, t in tables.items():
+        if t is None or t.ndim != 2:
+            continue
+        if n_req is not None and t.shape[0] != n_req:
+            issues.append(Issue("tables.request_count", TABLE_FIELDS[p],
+                                "dim 0 must equal R = len(query_start_loc) - 1", expected=n_req, actual=t.shape[0]))
+        if t.shape[1] != layout.pools[p].table_width:
+            issues.append(Issue("tables.width", TABLE_FIELDS[p], f"width must match {config.name}'s layout",
+                                expected=layout.pools[p].table_width, actual=t.shape[1]))
+    request_ids = _array(arrays, "request_ids", np.int64, 1, issues, rows=n_req, required=False)
+    token_ids = _array(arrays, "token_ids", np.int64, 1, issues, rows=rows, required=False)
+    logit_rows = _array(arrays, "logit_rows", np.int32, 1, issues, required=False)
+    hidden_arr = None
+    if hidden is not None:
+        hidden_arr = np.asarray(hidden)
+        if not np.issubdtype(hidden_arr.dtype, np.floating) or hidden_arr.ndim < 2:
+            issues.append(Issue("array.dtype", "hidden", "hidden rows must be a float array [P, ...]",
+                                expected="float [P, ...]", actual=f"{hidden_arr.dtype} {hidden_arr.shape}"))
+            hidden_arr = None
+        elif rows is not None and hidden_arr.shape[0] != rows:
+            issues.append(Issue("geometry.rows", "hidden", "needs P rows", expected=rows, actual=hidden_arr.shape[0]))
+            hidden_arr = None
+
+    if request_ids is not None and request_ids.shape == (n_req,):
+        uniq, first, counts = np.unique(request_ids, return_index=True, return_counts=True)
+        if (counts > 1).any():
+            dup = int(uniq[counts > 1][0])
+            at = np.flatnonzero(request_ids == dup)
+            issues.append(Issue("request_ids.duplicate", "request_ids", f"id {dup} is used by several requests",
+                                index=int(at[1]), request=int(at[1]), expected="unique", actual=at.tolist(),
+                                count=int((counts > 1).sum())))
+
+    if level == "shape" or issues or geometry is None or blocks is None:
+        return ValidationReport(tuple(issues))
+
+    from dspark_abi.rules import check_deep
+
+    check_deep(issues, config=config, policy=policy, blocks=blocks, qsl=qsl, n_tokens=geometry[0],
+               n_rows=geometry[1], positions=positions, tables=tables, slots=slots, token_ids=token_ids,
+               logit_rows=logit_rows, hidden=hidden_arr)
+    return ValidationReport(tuple(issues))
+
+
+def _array(arrays: Mapping[str, Any], name: str, dtype: Any, ndim: int, issues: list[Issue], *,
+           rows: int | None = None, required: bool = True) -> np.ndarray | None:
+    """Fetch one field, check dtype / rank / row count; None when absent or unusable."""
+    if name not in arrays or arrays[name] is None:
+        if required:
+            issues.append(Issue("array.missing", name, "required field is absent", expected="present",
+                                actual="missing"))
+        return None
+    a = arrays[name]
+    if not isinstance(a, np.ndarray):
+        issues.append(Issue("array.dtype", name, "must be a numpy array", expected=np.dtype(dtype).name,
+                            actual=type(a).__name__))
+        return None
+    if a.dtype != dtype:
+        issues.append(Issue("array.dtype", name, "wrong dtype", expected=np.dtype(dtype).name, actual=a.dtype.name))
+        return None
+    if a.ndim != ndim:
+        code = "qsl.shape" if name == "query_start_loc" else "array.shape"
+        issues.append(Issue(code, name, f"must have {ndim} dimension(s)", expected=ndim, actual=a.ndim))
+        return None
+    if rows is not None and a.shape[0] != rows:
+        issues.append(Issue("geometry.rows", name, "row count must match the geometry", expected=rows,
+                            actual=a.shape[0]))
+        return None
+    return a
+
+
+def _check_qsl(qsl: np.ndarray, policy: PaddingPolicy, issues: list[Issue]) -> tuple[int, int] | None:
+    """Check query_start_loc values; return (N, P) when they define a usable geometry."""
+    if qsl.size < 2:
+        issues.append(Issue("qsl.shape", "query_start_loc", "needs at least 2 entries (one request)",
+                            expected=">= 2", actual=int(qsl.size)))
+        return None
+    ok = True
+    if qsl[0] != 0:
+        issues.append(Issue("qsl.start", "query_start_loc", "must start at 0", index=0, expected=0, actual=int(qsl[0])))
+        ok = False
+    lengths = np.diff(qsl.astype(np.int64))
+    drops = np.flatnonzero(lengths < 0)
+    if drops.size:
+        i = int(drops[0]) + 1
+        issues.append(Issue("qsl.non_monotonic", "query_start_loc", "offsets must not decrease", index=i,
+                            request=i - 1, expected=f">= {int(qsl[i - 1])}", actual=int(qsl[i]), count=int(drops.size)))
+        ok = False
+    n = int(qsl[-1])
+    if not 1 <= n <= policy.token_cap:
+        issues.append(Issue("qsl.token_count", "query_start_loc", "N = query_start_loc[-1] out of range",
+                            index=len(qsl) - 1, expected=f"1..{policy.token_cap}", actual=n))
+        ok = False
+    if not policy.allow_empty_requests:
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            issues.append(Issue("qsl.empty_request", "query_start_loc", "zero-length request not allowed by policy",
+                                index=int(empty[0]) + 1, request=int(empty[0]), expected="> 0 tokens", actual=0,
+                                count=int(empty.size)))
+    return (n, policy.padded_rows(n)) if ok else None
