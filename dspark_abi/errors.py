@@ -81,6 +81,14 @@ CODES: dict[str, tuple[str, str]] = {
     # ---- config / policy / cross-object
     "config.invalid": ("a configuration value is missing or invalid", "fix the named key"),
     "config.mismatch": ("an object was built for another ModelConfig or policy", "use objects built from one config"),
+    # ---- fixture files
+    "fixture.unreadable": ("the file is not a readable safetensors fixture (missing, truncated, bad or oversized header)",
+                           "regenerate the file with dspark_abi.fixtures.save"),
+    "fixture.version": ("the fixture's format name or format_version is not one this library reads",
+                        "upgrade dspark or convert the file to a supported format version"),
+    "fixture.manifest": ("the JSON manifest in the header is invalid", "see the message for the offending key"),
+    "fixture.tensors": ("a tensor is missing, unexpected, or has the wrong dtype, rank or values (e.g. NaN)",
+                        "store exactly the tensors the manifest lists, with ABI dtypes and shapes"),
     # ---- serving-side builder
     "builder.request": ("a request given to the builder is invalid", "see the message for the offending value"),
     "alloc.exhausted": ("a pool has too few free blocks for this step",
