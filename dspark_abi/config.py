@@ -122,7 +122,8 @@ class ModelConfig(StrictModel):
                 f"qk_rope_head_dim={self.qk_rope_head_dim} must be <= index_head_dim={self.index_head_dim}"
             )
         if self.num_attention_heads % self.o_groups:
-            problems.append(f"num_attention_heads={self.num_attention_heads} must be divisible by o_groups={self.o_groups}")
+            problems.append(f"num_attention_heads={self.num_attention_heads} must be divisible by "
+                            f"o_groups={self.o_groups}")
         if self.index_head_dim & (self.index_head_dim - 1):
             problems.append(f"index_head_dim={self.index_head_dim} must be a power of two (Hadamard rotation)")
         if self.moe.num_experts_per_tok > self.moe.n_routed_experts:

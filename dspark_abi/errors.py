@@ -50,7 +50,8 @@ CODES: dict[str, tuple[str, str]] = {
                          "fill padding positions as PaddingPolicy.pad_position says"),
     "padding.slot": ("a padding row has a slot mapping other than -1", "padding rows must never write"),
     "padding.hidden": ("a padding row of the hidden state is not zero", "zero hidden rows N..P-1"),
-    "padding.token_id": ("a padding row's token id differs from the policy's pad id", "fill with PaddingPolicy.pad_token_id"),
+    "padding.token_id": ("a padding row's token id differs from the policy's pad id",
+                         "fill with PaddingPolicy.pad_token_id"),
     # ---- slot mappings
     "slots.mismatch": ("a live token's slot differs from the row its request's table gives",
                        "derive slots from the tables: block*page_size + offset (see spec section 5)"),
@@ -82,7 +83,8 @@ CODES: dict[str, tuple[str, str]] = {
     "config.invalid": ("a configuration value is missing or invalid", "fix the named key"),
     "config.mismatch": ("an object was built for another ModelConfig or policy", "use objects built from one config"),
     # ---- fixture files
-    "fixture.unreadable": ("the file is not a readable safetensors fixture (missing, truncated, bad or oversized header)",
+    "fixture.unreadable": ("the file is not a readable safetensors fixture (missing, truncated, bad or "
+                           "oversized header)",
                            "regenerate the file with dspark_abi.fixtures.save"),
     "fixture.version": ("the fixture's format name or format_version is not one this library reads",
                         "upgrade dspark or convert the file to a supported format version"),

@@ -59,7 +59,7 @@ def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dic
             issues.append(Issue("geometry.rows", local, "L * TP must equal the full row count P",
                                 expected=source.shape[0] // tp, actual=loc.shape[1]))
             continue
-        wrong = np.flatnonzero((loc.reshape(-1) != source))
+        wrong = np.flatnonzero(loc.reshape(-1) != source)
         if wrong.size:
             i = int(wrong[0])
             issues.append(Issue("rank.local_mismatch", local, f"rank {i // loc.shape[1]} row {i % loc.shape[1]} "

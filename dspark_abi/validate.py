@@ -73,7 +73,7 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
             hidden_arr = None
 
     if request_ids is not None and request_ids.shape == (n_req,):
-        uniq, first, counts = np.unique(request_ids, return_index=True, return_counts=True)
+        uniq, counts = np.unique(request_ids, return_counts=True)
         if (counts > 1).any():
             dup = int(uniq[counts > 1][0])
             at = np.flatnonzero(request_ids == dup)

@@ -1,0 +1,113 @@
+"""Serving-side builder and allocator: chunked prefill, TP padding, rings, release, all-or-nothing."""
+
+import numpy as np
+import pytest
+
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks, validate
+from dspark_abi.presets import TINY
+
+
+def _builder(tp=1, blocks=256, **policy):
+    alloc = BlockAllocator(TINY, PoolBlocks.uniform(blocks))
+    return BatchBuilder(TINY, PaddingPolicy(tp_size=tp, **policy), alloc), alloc
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_unaligned_n_is_padded_per_policy(tp):
+    builder, _ = _builder(tp=tp, pad_position="continue")
+    builder.add(0, num_cached=5, num_new=3)
+    builder.add(1, num_cached=0, num_new=6)
+    batch = builder.build()
+    assert batch.num_tokens == 9 and batch.padded_rows == -(-9 // tp) * tp
+    assert batch.positions[9:].tolist() == list(range(6, 6 + batch.padded_rows - 9))
+    ids = np.concatenate([batch.rank(r).local_request_ids for r in range(tp)])
+    assert ids.tolist() == [0] * 3 + [1] * 6 + [-1] * (batch.padded_rows - 9)
+
+
+def test_chunked_prefill_reuses_tables_and_continues_positions():
+    builder, alloc = _builder(tp=2)
+    builder.add(7, num_cached=0, num_new=50)
+    first = builder.build()
+    builder.add(7, num_cached=50, num_new=30)
+    second = builder.build()
+    assert second.positions[:30].tolist() == list(range(50, 80))
+    # ori and compressed pages of the first chunk keep their blocks
+    np.testing.assert_array_equal(second.tables.ori[0, :2], first.tables.ori[0, :2])
+    np.testing.assert_array_equal(second.tables.csa_cmp[0, :1], first.tables.csa_cmp[0, :1])
+    assert alloc.cached_tokens(7) == 80
+    assert validate(second).ok
+
+
+def test_continuation_must_start_where_previous_chunk_ended():
+    builder, _ = _builder()
+    builder.add(0, num_cached=0, num_new=10)
+    builder.build()
+    builder.add(0, num_cached=12, num_new=4)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.issues[0].expected == 10 and err.value.issues[0].actual == 12
+
+
+def test_state_ring_pages_are_recycled():
+    builder, alloc = _builder(blocks=300)
+    used = []
+    for step in range(20):  # 20 chunks of 64 tokens: 1280 positions, far more than 300 state blocks hold
+        builder.add(0, num_cached=64 * step, num_new=64)
+        batch = builder.build()
+        assert validate(batch).ok
+        used.append(300 - alloc.free_blocks("csa_state"))
+    # the ratio-4 ring holds only the carried 8 positions plus the chunk: (8 + 64) / 2 rows per page
+    assert max(used) <= (8 + 64) // 2 + 1
+    assert 300 - alloc.free_blocks("ori") == 1280 // 32  # the raw KV cache keeps every page
+
+
+def test_release_returns_every_block():
+    builder, alloc = _builder()
+    builder.add(0, num_cached=0, num_new=100)
+    builder.add(1, num_cached=40, num_new=10)
+    builder.build()
+    alloc.release(0)
+    alloc.release(1)
+    assert all(alloc.free_blocks(p) == 256 for p in ("ori", "csa_cmp", "hca_cmp", "idx", "csa_state",
+                                                     "csa_inner_state", "hca_state"))
+
+
+def test_capacity_grows_beyond_initial_rows():
+    builder, _ = _builder(blocks=2000)
+    for rid in range(40):
+        builder.add(rid, num_cached=rid, num_new=2)
+    batch = builder.build()
+    assert batch.num_requests == 40 and validate(batch).ok
+
+
+def test_failed_build_keeps_queue_for_retry():
+    builder, _ = _builder(blocks=8)
+    builder.add(0, num_cached=0, num_new=600)
+    with pytest.raises(ABIError):
+        builder.build()
+    builder.clear()
+    builder.add(0, num_cached=0, num_new=10)
+    assert builder.build().num_tokens == 10
+
+
+def test_token_ids_and_logit_rows():
+    builder, _ = _builder(tp=4)
+    builder.add(0, num_cached=0, num_new=3, token_ids=[5, 6, 7])
+    builder.add(1, num_cached=0, num_new=0, token_ids=[])
+    builder.add(2, num_cached=3, num_new=2, token_ids=[8, 9])
+    batch = builder.build()
+    assert batch.token_ids.tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert batch.logit_rows.tolist() == [2, -1, 4]
+
+
+def test_batch_is_frozen_and_private():
+    builder, _ = _builder()
+    ids = np.array([1, 2, 3])
+    builder.add(0, num_cached=0, num_new=3, token_ids=ids)
+    batch = builder.build()
+    ids[0] = 99
+    assert batch.token_ids[0] == 1
+    with pytest.raises(ValueError):
+        batch.positions[0] = 5
+    with pytest.raises(AttributeError):
+        batch.positions = None

@@ -1,0 +1,188 @@
+"""One test per error code: each rule, broken once, is reported with its code, field and request."""
+
+import numpy as np
+import pytest
+
+from dspark_abi import (
+    CODES,
+    ABIError,
+    BatchBuilder,
+    BlockAllocator,
+    ModelConfig,
+    PackedBatch,
+    PaddingPolicy,
+    PoolBlocks,
+    validate,
+)
+from dspark_abi.lowering import lower_local_request_ids
+from dspark_abi.presets import FLASH, TINY
+from dspark_abi.ranks import split_rank_arrays
+from dspark_abi.testing import MUTATIONS, mutate
+
+#: Codes that only fixture-file reading raises; tests/spec covers them.
+FILE_CODES = {c for c in CODES if c.startswith("fixture.")}
+
+
+def _batch(tp=2, requests=((3, 126), (4, 30), (9, 0)), blocks=96, token_ids=True, **policy):
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp, **policy), BlockAllocator(TINY, PoolBlocks.uniform(blocks)))
+    rng = np.random.default_rng(0)
+    for rid, (new, cached) in enumerate(requests):
+        builder.add(rid, num_cached=cached, num_new=new,
+                    token_ids=rng.integers(0, TINY.vocab_size, new) if token_ids else None)
+    return builder.build()
+
+
+# several shapes of batch, so that every mutation has something to break
+BATCHES = {
+    "ragged3_tp2": lambda: _batch(),
+    "ragged3_tp4": lambda: _batch(tp=4, requests=((5, 200), (2, 31), (7, 3))),
+    "continue_pad": lambda: _batch(tp=4, requests=((6, 140), (3, 0)), pad_position="continue"),
+}
+
+
+@pytest.mark.parametrize("code", sorted(MUTATIONS))
+def test_mutation_is_reported_with_its_code(code):
+    hits = 0
+    for name, make in BATCHES.items():
+        batch = make()
+        for seed in range(3):
+            case = mutate(batch, code, seed)
+            if case is None:
+                continue
+            report = validate(case.arrays, case.config, case.policy, case.pool_blocks, hidden=case.hidden)
+            assert code in report.codes, (name, seed, str(report))
+            issue = next(i for i in report.issues if i.code == code)
+            assert issue.field and issue.message and issue.hint
+            assert issue.count >= 1
+            with pytest.raises(ABIError) as err:  # constructors raise the same issues
+                PackedBatch.from_arrays(case.arrays, case.config, case.policy, case.pool_blocks) \
+                    if case.hidden is None else report.raise_if_invalid()
+            assert code in err.value.codes
+            hits += 1
+    assert hits > 0, f"no batch could break {code}"
+
+
+def test_issue_names_request_index_and_values():
+    batch = _batch()
+    arrays = {k: np.array(v) for k, v in batch.to_arrays().items()}
+    arrays["ori_slot_mapping"][4] += 1  # request 1, second token (position 31)
+    report = validate(arrays, TINY, batch.policy, batch.pool_blocks)
+    issue = next(i for i in report.issues if i.code == "slots.mismatch")
+    assert (issue.field, issue.index, issue.request) == ("ori_slot_mapping", 4, 1)
+    assert issue.actual == issue.expected + 1
+    assert "ori_slot_mapping[4] (request 1)" in str(issue)
+
+
+def test_qsl_shape():
+    batch = _batch()
+    arrays = dict(batch.to_arrays(), query_start_loc=np.array([0], np.int32))
+    assert "qsl.shape" in validate(arrays, TINY, batch.policy, batch.pool_blocks).codes
+    arrays = dict(batch.to_arrays(), query_start_loc=np.zeros((2, 2), np.int32))
+    assert "qsl.shape" in validate(arrays, TINY, batch.policy, batch.pool_blocks).codes
+
+
+def test_qsl_empty_request_per_policy():
+    batch = _batch(requests=((3, 10), (0, 5), (2, 0)))
+    assert validate(batch).ok  # allowed by default
+    strict = batch.policy.model_copy(update={"allow_empty_requests": False})
+    report = validate(batch.to_arrays(), TINY, strict, batch.pool_blocks)
+    issue = next(i for i in report.issues if i.code == "qsl.empty_request")
+    assert issue.request == 1
+
+
+def test_pools_blocks():
+    batch = _batch()
+    report = validate(batch.to_arrays(), TINY, batch.policy, {"ori": 0})
+    assert report.codes == {"pools.blocks"}
+
+
+def test_rank_index():
+    with pytest.raises(ABIError) as err:
+        _batch(tp=2).rank(2)
+    assert err.value.codes == {"rank.index"}
+
+
+def test_rank_replicated_and_local_mismatch():
+    batch = _batch(tp=2)
+    per = split_rank_arrays(batch.to_arrays(), batch.policy)
+    per["ori_block_table"][1, 0, 0] += 1
+    per["positions_local"][1, 2] += 7
+    with pytest.raises(ABIError) as err:
+        PackedBatch.from_rank_arrays(per, TINY, batch.policy, batch.pool_blocks)
+    assert err.value.codes == {"rank.replicated_mismatch", "rank.local_mismatch"}
+
+
+def test_rank_arrays_round_trip():
+    batch = _batch(tp=4, requests=((5, 200), (2, 31), (7, 3)))
+    per = split_rank_arrays(batch.to_arrays(), batch.policy)
+    assert PackedBatch.from_rank_arrays(per, TINY, batch.policy, batch.pool_blocks) == batch
+
+
+def test_config_invalid_names_every_missing_key():
+    with pytest.raises(ABIError) as err:
+        ModelConfig.from_hf_config({"hidden_size": 128})
+    assert err.value.codes == {"config.invalid"}
+    fields = {i.field for i in err.value.issues}
+    assert {"config.json:head_dim", "config.json:compress_ratios", "config.json:n_routed_experts"} <= fields
+
+
+def test_config_mismatch():
+    with pytest.raises(ABIError) as err:
+        BatchBuilder(TINY, PaddingPolicy(), BlockAllocator(FLASH, PoolBlocks.uniform(8)))
+    assert err.value.codes == {"config.mismatch"}
+
+
+def test_builder_request_errors_are_all_reported():
+    builder = BatchBuilder(TINY, PaddingPolicy(), BlockAllocator(TINY, PoolBlocks.uniform(64)))
+    builder.add(0, num_cached=-1, num_new=3)
+    builder.add(0, num_cached=0, num_new=2)
+    builder.add(2, num_cached=TINY.max_position_embeddings, num_new=1)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"builder.request"}
+    assert [i.index for i in err.value.issues] == [0, 1, 2]
+
+
+def test_builder_token_count():
+    builder = BatchBuilder(TINY, PaddingPolicy(), BlockAllocator(TINY, PoolBlocks.uniform(64)))
+    builder.add(0, num_cached=0, num_new=0)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"qsl.token_count"}
+
+
+def test_alloc_exhausted_changes_nothing():
+    alloc = BlockAllocator(TINY, PoolBlocks.uniform(4))
+    builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
+    builder.add(0, num_cached=0, num_new=8)
+    before = {p: alloc.free_blocks(p) for p in ("ori", "csa_state", "hca_state")}
+    builder.add(1, num_cached=0, num_new=300)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"alloc.exhausted"}
+    assert {p: alloc.free_blocks(p) for p in before} == before
+    assert not alloc.knows(0) and not alloc.knows(1)
+
+
+def test_alloc_unknown_request():
+    alloc = BlockAllocator(TINY, PoolBlocks.uniform(4))
+    with pytest.raises(ABIError) as err:
+        alloc.release(7)
+    assert err.value.codes == {"alloc.unknown_request"}
+
+
+def test_lowering_rejects_bad_qsl():
+    with pytest.raises(ABIError) as err:
+        lower_local_request_ids(np.array([0, 5, 3], np.int32), 0, 4)
+    assert err.value.codes == {"qsl.non_monotonic"}
+
+
+TESTED_HERE = set(MUTATIONS) | {
+    "qsl.shape", "qsl.empty_request", "pools.blocks", "rank.index", "rank.replicated_mismatch",
+    "rank.local_mismatch", "config.invalid", "config.mismatch", "builder.request", "alloc.exhausted",
+    "alloc.unknown_request",
+}
+
+
+def test_every_code_has_a_test():
+    assert set(CODES) == TESTED_HERE | FILE_CODES

@@ -1,0 +1,45 @@
+"""Property-based: every valid batch is accepted, every single-rule mutation is rejected with its code,
+and the O(L + R) lowering equals the nested scan."""
+
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from dspark_abi import lower_local_request_ids, validate
+from dspark_abi.lowering import nested_scan_local_request_ids
+from dspark_abi.testing import MUTATIONS, mutate, packed_batches
+
+
+@given(packed_batches())
+def test_valid_batches_are_accepted(batch):
+    report = validate(batch)
+    assert report.ok, str(report)
+    ranks = np.concatenate([batch.rank(r).local_request_ids for r in range(batch.tp_size)])
+    np.testing.assert_array_equal(ranks, batch.row_request)
+
+
+@pytest.mark.parametrize("code", sorted(MUTATIONS))
+@given(batch=packed_batches(token_ids=True), seed=st.integers(0, 1000))
+def test_mutations_are_rejected_with_their_code(code, batch, seed):
+    case = mutate(batch, code, seed)
+    assume(case is not None)
+    report = validate(case.arrays, case.config, case.policy, case.pool_blocks, hidden=case.hidden)
+    assert code in report.codes, str(report)
+
+
+@st.composite
+def qsl_and_window(draw):
+    lengths = draw(st.lists(st.integers(0, 20), min_size=1, max_size=12))
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    rows = -(-max(int(qsl[-1]), 1) // tp) * tp
+    local = rows // tp
+    return qsl, draw(st.integers(0, tp - 1)) * local, local
+
+
+@given(qsl_and_window())
+def test_lowering_equals_nested_scan(case):
+    qsl, base, local = case
+    np.testing.assert_array_equal(lower_local_request_ids(qsl, base, local),
+                                  nested_scan_local_request_ids(qsl, base, local))
