@@ -120,7 +120,7 @@ def _live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int)
 
 def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.ndarray,
                  end: np.ndarray, use: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Coverage, block range, in-request aliasing; return per-block (min owner, max owner) of live pages."""
+    """Coverage, block range, in-request aliasing; return per-block (min, max) owner request (-1: none)."""
     name = TABLE_FIELDS[pl.name]
     lo, hi = _live_range(pl, start, end, window)
     has = use & (hi > lo)
@@ -137,18 +137,23 @@ def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
           f"block ids must be -1 or in [0, {n_blocks})", index_of=page, request_of=req,
           expected=f"-1..{n_blocks - 1}", actual=blk)
     mapped = (blk >= 0) & (blk < n_blocks)
-    req_m, blk_m, page_m = req[mapped], blk[mapped], page[mapped]
-    key = req_m * n_blocks + blk_m
+    req_m, blk_m = req[mapped].astype(np.int32), blk[mapped]
+    owner_min = np.full(n_blocks, -1, dtype=np.int32)
+    if blk_m.size == 0 or np.bincount(blk_m, minlength=n_blocks).max() <= 1:
+        owner_min[blk_m] = req_m                                # fast path: every block has one owner
+        return owner_min, owner_min
+    key = blk_m * max(int(start.size), 1) + req_m              # some block is used twice: find out how
     order = np.argsort(key, kind="stable")
     dup = np.zeros(key.size, dtype=bool)
     dup[order[1:]] = key[order[1:]] == key[order[:-1]]
     code = "state.ring_alias" if pl.is_state else "tables.alias"
     _flag(issues, code, name, dup, "two live logical pages of one request map to the same block",
-          index_of=page_m, request_of=req_m, expected="distinct blocks", actual=blk_m)
-    owner_min = np.full(n_blocks, np.iinfo(np.int64).max, dtype=np.int64)
-    owner_max = np.full(n_blocks, -1, dtype=np.int64)
-    np.minimum.at(owner_min, blk_m, req_m)
-    np.maximum.at(owner_max, blk_m, req_m)
+          index_of=page[mapped], request_of=req_m, expected="distinct blocks", actual=blk_m)
+    owner_max = np.full(n_blocks, -1, dtype=np.int32)
+    owner_min[:] = np.iinfo(np.int32).max
+    np.minimum.at(owner_min, blk_m, req_m)                     # shared read-only pages are legal;
+    np.maximum.at(owner_max, blk_m, req_m)                     # writes into them are not
+    owner_min[owner_max < 0] = -1
     return owner_min, owner_max
 
 
@@ -188,9 +193,9 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
 
     owner_min, owner_max = owners
     wblk, writer_req = rows // ps, row_req[written]
-    owned = owner_max[wblk] >= 0
-    foreign = owned & ((owner_min[wblk] != writer_req) | (owner_max[wblk] != writer_req))
-    other = np.where(owner_min[wblk] != writer_req, owner_min[wblk], owner_max[wblk])
+    lo, hi = owner_min[wblk], owner_max[wblk]
+    foreign = (hi >= 0) & ((lo != writer_req) | (hi != writer_req))
+    other = np.where(lo != writer_req, lo, hi)
     _flag(issues, "isolation.foreign_write", name, foreign,
           "written block lies in a page another request uses in this call", index_of=written,
           request_of=writer_req, expected="block owned by the writer only",
