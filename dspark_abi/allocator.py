@@ -184,6 +184,17 @@ class BlockAllocator:
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
 
 
+def pool_blocks_for(config: ModelConfig, contexts: Sequence[int], *, slack: int = 8) -> PoolBlocks:
+    """Blocks per pool that hold every page of requests with these final context lengths at once
+    (a convenient upper bound for demos and tests; serving code sizes pools from its memory budget)."""
+    ctx = np.asarray(contexts, dtype=np.int64)
+    need = {}
+    for pl in config.layout:
+        logical = ctx // pl.ratio if pl.ratio else ctx
+        need[pl.name] = int((-(-logical // pl.page_size)).sum()) + len(ctx) + slack
+    return PoolBlocks(**need)
+
+
 def _live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     from dspark_abi.rules import _live_range as rule
 
