@@ -1,0 +1,48 @@
+"""The two command lines, run as a user runs them (subprocesses through python -m)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr)
+    return proc
+
+
+def test_abi_build_text_layout():
+    out = run("dspark_abi.cli", "build", "--request", "3@126", "--request", "4@30", "--tp", "2").stdout
+    assert "N=7 P=8 L=4" in out
+    assert "local_request_ids=[0, 0, 0, 1]" in out and "local_request_ids=[1, 1, 1, -1]" in out
+    assert " pad " in out
+
+
+def test_abi_build_json():
+    data = json.loads(run("dspark_abi.cli", "build", "--request", "5@0", "--tp", "4", "--json").stdout)
+    assert data["padded_rows"] == 8 and data["local_rows"] == 2
+    assert [r["request"] for r in data["rows"]] == [0, 0, 0, 0, 0, -1, -1, -1]
+    assert all(r["slots"]["ori"] == -1 for r in data["rows"][5:])
+
+
+def test_abi_build_rejects_malformed_request():
+    proc = run("dspark_abi.cli", "build", "--request", "3-126", check=False)
+    assert proc.returncode == 2 and "TOKENS@CACHED" in proc.stderr
+
+
+def test_abi_build_reports_abi_errors_with_exit_1():
+    proc = run("dspark_abi.cli", "build", "--request", "9000@0", check=False)
+    assert proc.returncode == 1 and "qsl.token_count" in proc.stderr
+
+
+@pytest.mark.slow
+def test_prefill_group_and_thread_ranks_agree():
+    args = ["dspark_kernels.cli", "prefill", "--config", "tiny", "--request", "3@126", "--request", "4@30",
+            "--tp", "2", "--json"]
+    group = json.loads(run(*args).stdout)
+    threads = json.loads(run(*args, "--mode", "threads").stdout)
+    assert [r["next_token"] for r in group["requests"]] == [r["next_token"] for r in threads["requests"]]
+    assert [r["positions"] for r in group["requests"]] == [[126, 128], [30, 33]]

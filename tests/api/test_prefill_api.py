@@ -1,0 +1,122 @@
+"""`dspark_kernels.prefill`: validates everything first, leaves caches and inputs bit-for-bit unchanged on
+any error (including a backend failing half-way), and returns per-request views."""
+
+import numpy as np
+import pytest
+
+import dspark_kernels.prefill as prefill_module
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy
+from dspark_abi.allocator import pool_blocks_for
+from dspark_abi.presets import FLASH, TINY
+from dspark_kernels.model_caches import ModelCaches
+from dspark_kernels.model_weights import ModelWeights
+from dspark_kernels.prefill import prefill
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return ModelWeights.random(TINY, seed=3)
+
+
+def _setup(tp=2):
+    alloc = BlockAllocator(TINY, pool_blocks_for(TINY, [40, 20]))
+    caches = ModelCaches.allocate(TINY, alloc.pool_blocks)
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), alloc)
+    rng = np.random.default_rng(0)
+    builder.add(0, num_cached=0, num_new=7, token_ids=rng.integers(0, TINY.vocab_size, 7))
+    builder.add(1, num_cached=0, num_new=6, token_ids=rng.integers(0, TINY.vocab_size, 6))
+    return builder.build(), caches
+
+
+def _state(caches):
+    return {k: v.copy() for k, v in caches.arrays().items()}
+
+
+def _assert_unchanged(caches, before):
+    after = caches.arrays()
+    assert set(after) == set(before)
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=k)
+
+
+def test_result_and_per_request_views(weights):
+    batch, caches = _setup()
+    res = prefill(batch, batch.token_ids, weights, caches)
+    assert res.hidden.shape == (batch.padded_rows, TINY.hidden_size)
+    assert np.all(res.hidden[batch.num_tokens:] == 0)
+    reqs = res.requests
+    assert [r.positions.tolist() for r in reqs] == [list(range(7)), list(range(6))]
+    assert reqs[1].sampled == int(res.sampled[1]) == int(np.argmax(res.logits[1]))
+
+
+def test_padding_hidden_rows_rejected_and_nothing_written(weights):
+    batch, caches = _setup()
+    before = _state(caches)
+    hidden = np.zeros((batch.padded_rows, TINY.hidden_size), np.float32)
+    hidden[-1, 0] = 1.0  # padding row not zero
+    with pytest.raises(ABIError) as err:
+        prefill(batch, hidden, weights, caches, layers=[1, 2, 3])
+    assert "padding.hidden" in err.value.codes
+    _assert_unchanged(caches, before)
+
+
+@pytest.mark.parametrize("bad", ["nan_hidden", "wrong_rows", "pad_token", "backend", "layers"])
+def test_bad_inputs_raise_before_touching_anything(weights, bad):
+    batch, caches = _setup()
+    before = _state(caches)
+    inputs = batch.token_ids.copy()
+    kwargs = {}
+    if bad == "nan_hidden":
+        inputs = np.full((batch.padded_rows, TINY.hidden_size), np.nan, np.float32)
+        kwargs["layers"] = [1]
+    elif bad == "wrong_rows":
+        inputs = inputs[:-1]
+    elif bad == "pad_token":
+        inputs[-1] = 5
+    elif bad == "backend":
+        kwargs["backend"] = "cuda"
+    elif bad == "layers":
+        kwargs["layers"] = [0, 9]
+    snapshot = inputs.copy()
+    with pytest.raises(ABIError):
+        prefill(batch, inputs, weights, caches, **kwargs)
+    _assert_unchanged(caches, before)
+    np.testing.assert_array_equal(inputs, snapshot)
+
+
+def test_caches_and_weights_from_another_config_rejected(weights):
+    batch, caches = _setup()
+    before = _state(caches)
+    other = ModelCaches.allocate(TINY, {p: b + 1 for p, b in batch.pool_blocks.as_dict().items()})
+    with pytest.raises(ABIError) as err:
+        prefill(batch, batch.token_ids, weights, other)
+    assert "config.mismatch" in err.value.codes
+    flash_weights = ModelWeights.random(FLASH, seed=0)
+    with pytest.raises(ABIError) as err:
+        prefill(batch, batch.token_ids, flash_weights, caches)
+    assert "config.mismatch" in err.value.codes
+    _assert_unchanged(caches, before)
+
+
+def test_backend_failure_half_way_restores_every_written_row(weights, monkeypatch):
+    batch, caches = _setup()
+    before = _state(caches)
+    real = prefill_module.run_forward
+
+    def fails_after_two_layers(*args, **kwargs):
+        kwargs = dict(kwargs, layers=[0, 1])
+        real(*args, **kwargs)  # really writes layer 0 and 1 caches
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(prefill_module, "run_forward", fails_after_two_layers)
+    with pytest.raises(RuntimeError, match="device lost"):
+        prefill(batch, batch.token_ids, weights, caches)
+    _assert_unchanged(caches, before)
+
+
+def test_same_result_twice_from_same_state(weights):
+    batch, caches = _setup()
+    copy = caches.copy()
+    a = prefill(batch, batch.token_ids, weights, caches)
+    b = prefill(batch, batch.token_ids, weights, copy)
+    np.testing.assert_array_equal(a.logits, b.logits)
