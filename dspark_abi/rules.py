@@ -65,7 +65,7 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
     request_ok = np.bincount(row_req[~token_ok], minlength=n_req) == 0
     live = request_ok[row_req]                                                     # tokens fit for slot rules
 
-    _check_padding(issues, policy, n, n_rows, positions, slots, token_ids, hidden)
+    _check_padding(issues, policy, max_pos, n, n_rows, positions, slots, token_ids, hidden)
     if token_ids is not None:
         tid = token_ids[:n]
         _flag(issues, "token_ids.range", "token_ids", (tid < 0) | (tid >= config.vocab_size),
@@ -83,7 +83,8 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
         _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n], pos, row_req, live, tok, owners)
 
 
-def _check_padding(issues: list[Issue], policy: PaddingPolicy, n: int, n_rows: int, positions: np.ndarray,
+def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: int, n_rows: int,
+                   positions: np.ndarray,
                    slots: dict[str, np.ndarray], token_ids: np.ndarray | None, hidden: np.ndarray | None) -> None:
     pad = np.arange(n, n_rows)
     if pad.size == 0:
@@ -96,6 +97,9 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, n: int, n_rows: i
     _flag(issues, "padding.position", "positions", got != want,
           f"padding rows take positions by policy pad_position={policy.pad_position!r}", index_of=pad,
           expected=want, actual=got)
+    _flag(issues, "positions.out_of_range", "positions", (got < 0) | (got >= max_pos),
+          f"padding positions must lie in every RoPE table, [0, {max_pos}); use pad_position='zero' near the "
+          "end of the context", index_of=pad, expected=f"0..{max_pos - 1}", actual=got)
     for p in POOL_NAMES:
         s = slots[p][n:]
         _flag(issues, "padding.slot", SLOT_FIELDS[p], s != policy.pad_slot, "padding rows must not write",

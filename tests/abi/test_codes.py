@@ -186,3 +186,13 @@ TESTED_HERE = set(MUTATIONS) | {
 
 def test_every_code_has_a_test():
     assert set(CODES) == TESTED_HERE | FILE_CODES
+
+
+def test_continue_padding_past_the_context_is_out_of_range():
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=4, pad_position="continue"),
+                           BlockAllocator(TINY, PoolBlocks.uniform(600)))
+    builder.add(0, num_cached=TINY.max_position_embeddings - 2, num_new=2)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"positions.out_of_range"}
+    assert err.value.issues[0].index == 2  # the first padding row
