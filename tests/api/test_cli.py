@@ -46,3 +46,9 @@ def test_prefill_group_and_thread_ranks_agree():
     threads = json.loads(run(*args, "--mode", "threads").stdout)
     assert [r["next_token"] for r in group["requests"]] == [r["next_token"] for r in threads["requests"]]
     assert [r["positions"] for r in group["requests"]] == [[126, 128], [30, 33]]
+
+
+def test_abi_build_png(tmp_path):
+    png = tmp_path / "layout.png"
+    run("dspark_abi.cli", "build", "--request", "3@126", "--request", "4@30", "--tp", "2", "--png", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
