@@ -8,6 +8,7 @@ Every array is stored as a read-only copy: mutating the caller's array afterward
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextvars import ContextVar
 from functools import cached_property
 from typing import Any
 
@@ -19,6 +20,9 @@ from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.policy import PaddingPolicy
+
+#: Set only by :meth:`PackedBatch.from_arrays` right after it validated the very arrays being frozen.
+_ALREADY_VALIDATED: ContextVar[bool] = ContextVar("dspark_already_validated", default=False)
 
 TABLE_FIELDS: dict[PoolName, str] = {p: f"{p}_block_table" for p in POOL_NAMES}
 SLOT_FIELDS: dict[PoolName, str] = {p: f"{p}_slot_mapping" for p in POOL_NAMES}
@@ -164,6 +168,8 @@ class PackedBatch:
         if self.request_ids is None:
             ids = np.arange(max(len(self.query_start_loc) - 1, 0), dtype=np.int64)
             object.__setattr__(self, "request_ids", _ro(ids))
+        if _ALREADY_VALIDATED.get():
+            return
         from dspark_abi.validate import validate_arrays
 
         validate_arrays(self.to_arrays(), self.config, self.policy, self.pool_blocks).raise_if_invalid()
@@ -178,14 +184,18 @@ class PackedBatch:
         from dspark_abi.validate import validate_arrays
 
         validate_arrays(arrays, config, policy, pool_blocks).raise_if_invalid()
-        return cls(
-            config=config, policy=policy, pool_blocks=pool_blocks,
-            query_start_loc=arrays["query_start_loc"], positions=arrays["positions"],
-            tables=RequestTables(**{p: arrays[f] for p, f in TABLE_FIELDS.items()}),
-            slots=SlotMappings(**{p: arrays[f] for p, f in SLOT_FIELDS.items()}),
-            request_ids=arrays.get("request_ids"), token_ids=arrays.get("token_ids"),
-            logit_rows=arrays.get("logit_rows"),
-        )
+        token = _ALREADY_VALIDATED.set(True)  # the arrays were just checked; freezing copies them unchanged
+        try:
+            return cls(
+                config=config, policy=policy, pool_blocks=pool_blocks,
+                query_start_loc=arrays["query_start_loc"], positions=arrays["positions"],
+                tables=RequestTables(**{p: arrays[f] for p, f in TABLE_FIELDS.items()}),
+                slots=SlotMappings(**{p: arrays[f] for p, f in SLOT_FIELDS.items()}),
+                request_ids=arrays.get("request_ids"), token_ids=arrays.get("token_ids"),
+                logit_rows=arrays.get("logit_rows"),
+            )
+        finally:
+            _ALREADY_VALIDATED.reset(token)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Flat ABI field name -> array (the names fixture files use)."""

@@ -90,7 +90,7 @@ class BatchBuilder:
         max_pos = self.config.max_position_embeddings
 
         def bad(i: int, msg: str, expected: Any, actual: Any) -> None:
-            issues.append(Issue("builder.request", f"requests[{i}]", msg, index=i, request=i, expected=expected,
+            issues.append(Issue("builder.request", "requests", msg, index=i, request=i, expected=expected,
                                 actual=actual))
 
         for i, s in enumerate(specs):  # per-request checks: the builder's input is a list of requests

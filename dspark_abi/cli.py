@@ -18,6 +18,7 @@ import numpy as np
 from dspark_abi.allocator import BlockAllocator
 from dspark_abi.batch import PackedBatch, PoolBlocks
 from dspark_abi.builder import BatchBuilder
+from dspark_abi.cli_files import add_file_commands
 from dspark_abi.errors import ABIError
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
@@ -177,12 +178,7 @@ def make_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.add_argument("--png", metavar="FILE")
     show.set_defaults(func=_cmd_show)
-    try:
-        from dspark_abi.cli_files import add_file_commands
-    except ImportError:
-        pass
-    else:
-        add_file_commands(sub)
+    add_file_commands(sub)
     return parser
 
 

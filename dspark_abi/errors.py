@@ -25,7 +25,7 @@ CODES: dict[str, tuple[str, str]] = {
                         "split the batch so that 1 <= N <= policy.token_cap"),
     "qsl.empty_request": ("a request has zero new tokens but the policy forbids it",
                           "drop the request or set PaddingPolicy(allow_empty_requests=True)"),
-    "geometry.rows": ("a token-axis array does not have P (full) or L (rank-local) rows",
+    "geometry.rows": ("an array does not have the rows the geometry gives: P (full), L (rank-local) or R",
                       "size full arrays to P = align_up(N, TP) and local ones to L = P / TP"),
     # ---- arrays
     "array.missing": ("a required array is absent", "provide every required ABI field"),
@@ -43,7 +43,7 @@ CODES: dict[str, tuple[str, str]] = {
     "positions.negative": ("a live position is negative", "positions are absolute in-request indices >= 0"),
     "positions.not_contiguous": ("positions inside a request are not start, start+1, ...",
                                  "a request's new tokens must be consecutive positions"),
-    "positions.out_of_range": ("a live position is >= max_position_embeddings",
+    "positions.out_of_range": ("a position (live or padding) is outside [0, max_position_embeddings)",
                                "stop the request before the model's maximum context"),
     # ---- padding rows
     "padding.position": ("a padding row's position differs from the padding policy",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import ml_dtypes
 import numpy as np
 
 from dspark_abi.config import ModelConfig
@@ -64,9 +65,13 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     hidden_arr = None
     if hidden is not None:
         hidden_arr = np.asarray(hidden)
-        if not np.issubdtype(hidden_arr.dtype, np.floating) or hidden_arr.ndim < 2:
-            issues.append(Issue("array.dtype", "hidden", "hidden rows must be a float array [P, ...]",
-                                expected="float [P, ...]", actual=f"{hidden_arr.dtype} {hidden_arr.shape}"))
+        if not (np.issubdtype(hidden_arr.dtype, np.floating) or hidden_arr.dtype == ml_dtypes.bfloat16):
+            issues.append(Issue("array.dtype", "hidden", "hidden rows must be floating point",
+                                expected="float32 / bfloat16", actual=str(hidden_arr.dtype)))
+            hidden_arr = None
+        elif hidden_arr.ndim < 2:
+            issues.append(Issue("array.shape", "hidden", "hidden rows must be [P, ...] with a feature axis",
+                                expected="[P, ...]", actual=list(hidden_arr.shape)))
             hidden_arr = None
         elif rows is not None and hidden_arr.shape[0] != rows:
             issues.append(Issue("geometry.rows", "hidden", "needs P rows", expected=rows, actual=hidden_arr.shape[0]))

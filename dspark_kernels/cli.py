@@ -111,9 +111,11 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         from dspark_abi import fixtures
 
-        fixtures.save(args.save, batch, tensors={
-            "inputs.token_ids": batch.token_ids, "outputs.hidden": hidden,
-            "outputs.logit_rows": rows.astype(np.int32), "outputs.logits": logits, "outputs.sampled": sampled})
+        tensors = {"outputs.hidden": hidden, "outputs.logit_rows": rows.astype(np.int32), "outputs.logits": logits,
+                   "outputs.sampled": sampled}
+        if batch.token_ids is not None:
+            tensors["inputs.token_ids"] = batch.token_ids
+        fixtures.save(args.save, batch, tensors=tensors)
         print(f"wrote {args.save}")
     return 0
 

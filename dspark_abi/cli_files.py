@@ -1,0 +1,89 @@
+"""File subcommands of the ``dspark-abi`` CLI: ``validate FILE...`` and ``conformance DIR``.
+
+``add_file_commands(subparsers)`` registers both on an argparse parser; each sets ``func`` (args -> exit
+code). ``python -m dspark_abi.cli_files`` runs them standalone.
+
+validate: exit 0 when every file is valid, 1 when one is invalid, 2 when one cannot be read (the
+highest wins). ``--json`` prints one JSON object per file, one per line (the conformance protocol).
+Files are opened read-only and never modified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from dspark_abi.conformance import FileResult, check_file, format_table, run
+
+
+def add_file_commands(subparsers: Any) -> None:
+    """Register ``validate`` and ``conformance`` on ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    v = subparsers.add_parser("validate", help="validate fixture files against the ABI (exit 0/1/2)",
+                              description="Validate fixture files: exit 0 valid, 1 invalid, 2 unreadable.")
+    v.add_argument("files", nargs="+", metavar="FILE", help="safetensors fixture files")
+    v.add_argument("--json", action="store_true", help="print one JSON object per file (one per line)")
+    v.add_argument("--level", choices=("shape", "full"), default="full",
+                   help="'shape': presence, dtypes, shapes, query_start_loc only; 'full' (default): every rule")
+    v.set_defaults(func=cmd_validate)
+
+    c = subparsers.add_parser("conformance", help="run the conformance vectors and print a pass/fail table",
+                              description="Check every vector listed in DIR/index.json; exit 1 on any failure.")
+    c.add_argument("directory", metavar="DIR", help="vectors directory, e.g. spec/v1/vectors")
+    c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    c.add_argument("--command", metavar="CMD", default=None,
+                   help="check another implementation: run CMD per file ('{path}' is replaced by the file); it "
+                        "must print {\"status\": ..., \"issues\": [{\"code\": ...}]} and exit 0/1/2")
+    c.add_argument("--timeout", type=float, default=60.0, help="seconds per external command (default 60)")
+    c.set_defaults(func=cmd_conformance)
+
+
+def _value(v: Any) -> str:
+    return "-" if v is None else json.dumps(v) if not isinstance(v, str) else v
+
+
+def _print_text(result: FileResult) -> None:
+    n = len(result.issues)
+    print(f"{result.path}: {result.status}" + (f" ({n} issue{'s' if n != 1 else ''})" if n else ""))
+    for i in result.issues:
+        d = i.to_dict()
+        print(f"  {i.code}  field={i.field}  index={_value(d['index'])}  request={_value(d['request'])}  "
+              f"expected={_value(d['expected'])}  actual={_value(d['actual'])}  count={i.count}")
+        print(f"      {i.message}. Fix: {i.hint}")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    worst = 0
+    for path in args.files:
+        result = check_file(path, args.level)
+        if args.json:
+            print(json.dumps(result.to_dict(), sort_keys=True))
+        else:
+            _print_text(result)
+        worst = max(worst, result.exit_code)
+    return worst
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    try:
+        rows = run(args.directory, command=args.command, timeout=args.timeout)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+    else:
+        print(format_table(rows))
+    return 0 if rows and all(r.passed for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dspark_abi.cli_files", description=__doc__.splitlines()[0])
+    add_file_commands(parser.add_subparsers(dest="command_name", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

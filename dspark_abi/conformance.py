@@ -1,0 +1,190 @@
+"""Conformance runner: check a validator (this library, or any program) against the vectors' expectations.
+
+The vectors directory holds ``index.json``: every file with its expected outcome (``valid``, or the exact
+set of error codes). :func:`run` checks each file either in-process (this library) or by running an
+external command per file (the protocol below) and returns one :class:`Row` per file.
+
+External protocol (``--command "my-validator --json {path}"``): the command is split like a shell
+command line (no shell is involved), ``{path}`` is replaced by the file's path (appended when absent),
+and the program must print one JSON object on stdout,
+``{"status": "valid" | "invalid" | "unreadable", "issues": [{"code": "<stable code>", ...}, ...]}``,
+and exit 0 (valid), 1 (invalid) or 2 (unreadable). ``dspark-abi validate --json FILE`` speaks it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+from pydantic import ValidationError
+
+from dspark_abi.errors import ABIError, Issue
+from dspark_abi.manifest import Expectation
+from dspark_abi.validate import Level
+
+Status = Literal["valid", "invalid", "unreadable"]
+EXIT_CODES: dict[str, int] = {"valid": 0, "invalid": 1, "unreadable": 2}
+INDEX_NAME = "index.json"
+
+
+@attrs.frozen
+class FileResult:
+    """Outcome of checking one file: status, every issue, and the format version when readable."""
+
+    path: str
+    status: Status
+    issues: tuple[Issue, ...]
+    format_version: str | None = None
+
+    @property
+    def codes(self) -> set[str]:
+        return {i.code for i in self.issues}
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "status": self.status, "ok": self.status == "valid",
+                "format_version": self.format_version, "issues": [i.to_dict() for i in self.issues]}
+
+
+def check_file(path: str | Path, level: Level = "full") -> FileResult:
+    """Read (file level) and validate (ABI level) one fixture file; never raises for bad files."""
+    from dspark_abi.fixtures import read
+
+    try:
+        fixture = read(path)
+    except ABIError as exc:
+        return FileResult(str(path), "unreadable", exc.issues)
+    report = fixture.validate(level)
+    return FileResult(str(path), "valid" if report.ok else "invalid", report.issues,
+                      fixture.manifest.format_version)
+
+
+@attrs.frozen
+class Row:
+    """One line of the conformance table."""
+
+    file: str
+    expected: tuple[str, ...]
+    """Expected codes; empty = valid."""
+    actual: tuple[str, ...] | None
+    """Codes reported; None when no usable answer came back."""
+    passed: bool
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "expected": list(self.expected), "actual": None if self.actual is None
+                else list(self.actual), "passed": self.passed, "detail": self.detail}
+
+
+def load_index(directory: str | Path) -> list[dict[str, Any]]:
+    """Entries of ``index.json`` (raises ValueError naming the problem when it is unusable)."""
+    path = Path(directory) / INDEX_NAME
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the vector index ({exc})") from None
+    entries = doc.get("vectors") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: 'vectors' must be a list")
+    return entries
+
+
+def run(directory: str | Path, *, command: str | None = None, timeout: float = 60.0) -> list[Row]:
+    """Check every vector listed in ``directory/index.json``; files not listed there fail too."""
+    root = Path(directory)
+    rows, listed = [], set()
+    for entry in load_index(root):
+        try:
+            rel = str(entry["file"])
+            expected = Expectation.model_validate_json(json.dumps(entry["expected"]))
+        except (KeyError, TypeError, ValidationError) as exc:
+            raise ValueError(f"{root / INDEX_NAME}: bad entry {entry!r:.120}: {exc}") from None
+        listed.add(rel)
+        rows.append(_check_entry(root, rel, expected, entry.get("sha256"), command, timeout))
+    for path in sorted(root.rglob("*.safetensors")):
+        rel = path.relative_to(root).as_posix()
+        if rel not in listed:
+            rows.append(Row(rel, (), None, False, f"not listed in {INDEX_NAME}"))
+    return rows
+
+
+def _check_entry(root: Path, rel: str, expected: Expectation, sha256: str | None, command: str | None,
+                 timeout: float) -> Row:
+    path = root / rel
+    want = expected.codes
+    if not path.is_file():
+        return Row(rel, want, None, False, "file missing")
+    if sha256 is not None and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        return Row(rel, want, None, False, "sha256 differs from the index (regenerate the vectors)")
+    answer = _run_internal(path, expected) if command is None else _run_external(command, path, timeout)
+    if isinstance(answer, str):
+        return Row(rel, want, None, False, answer)
+    status, codes = answer
+    detail = ""
+    if set(codes) != set(want):
+        detail = "codes differ"
+    elif (status == "valid") != expected.valid:
+        detail = f"status {status!r} contradicts the expectation"
+    elif status == "unreadable" and not all(c.startswith("fixture.") for c in codes):
+        detail = "unreadable, but the codes are not fixture.* codes"
+    return Row(rel, want, codes, not detail, detail)
+
+
+def _run_internal(path: Path, expected: Expectation) -> tuple[Status, tuple[str, ...]] | str:
+    """(status, sorted codes) from this library; a readable file's manifest must agree with the index."""
+    from dspark_abi.fixtures import read
+
+    try:
+        fixture = read(path)
+    except ABIError as exc:
+        return "unreadable", tuple(sorted(exc.codes))
+    if fixture.manifest.expected != expected:
+        return "manifest expectation differs from the index"
+    report = fixture.validate()
+    return ("valid" if report.ok else "invalid"), tuple(sorted(report.codes))
+
+
+def _run_external(command: str, path: Path, timeout: float) -> tuple[Status, tuple[str, ...]] | str:
+    """(status, sorted codes) from the external command, or a string saying what went wrong."""
+    args = shlex.split(command)
+    args = [a.replace("{path}", str(path)) for a in args] if "{path}" in command else [*args, str(path)]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"command failed to run: {exc}"
+    try:
+        doc = json.loads(proc.stdout)
+        status = doc["status"]
+        codes = tuple(sorted({str(i["code"]) for i in doc["issues"]}))
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"stdout is not a protocol JSON object ({type(exc).__name__}: {exc}); stderr: {proc.stderr[-200:]}"
+    if status not in EXIT_CODES:
+        return f"unknown status {status!r}"
+    if proc.returncode != EXIT_CODES[status]:
+        return f"exit code {proc.returncode} does not match status {status!r} (expected {EXIT_CODES[status]})"
+    return status, codes
+
+
+def format_table(rows: list[Row]) -> str:
+    """Fixed-width pass/fail table with a summary line."""
+    width = max([len(r.file) for r in rows] + [6])
+
+    def show(codes: tuple[str, ...] | None) -> str:
+        return "-" if codes is None else (", ".join(codes) or "valid")
+
+    lines = [f"{'RESULT':6}  {'VECTOR':{width}}  {'EXPECTED':32}  ACTUAL"]
+    for r in rows:
+        tail = f"  ({r.detail})" if r.detail else ""
+        lines.append(f"{'pass' if r.passed else 'FAIL':6}  {r.file:{width}}  {show(r.expected):32}  "
+                     f"{show(r.actual)}{tail}")
+    failed = sum(not r.passed for r in rows)
+    lines.append(f"{len(rows)} vectors: {len(rows) - failed} passed, {failed} failed")
+    return "\n".join(lines)
