@@ -1,0 +1,130 @@
+"""pypto cost-model cycles of each prefill stage at FLASH head sizes, against the A2/A3 roofline.
+
+THESE ARE COST-MODEL ESTIMATES. pypto 0.2.0 in SIM mode compiles each kernel for A2/A3 and runs its cost
+model; nothing here ran on an NPU, and the cost model has not been validated against hardware.
+
+Roofline per stage: max(cube cycles, memory cycles) on the whole chip, with the figures of pypto's
+``lib/configs/A2A3.ini``: 24 cube cores, one 16x16x16 bf16 MAC block per core per cycle (8192 flop/cycle/core;
+int8 16x32x16: 16384), and 32 bytes/cycle/core of DDR (768 B/cycle for the chip). Bytes count each input read
+once and each output written once. Ratio = cost-model cycles / roofline cycles (1.0 would be perfect).
+
+Usage: python benchmarks/bench_pypto.py [--rows P] [--tp TP] [--requests R]   (run from the repo root)
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark_abi.presets import FLASH
+from dspark_kernels.pypto.isolate import run_isolated
+
+CUBE_CORES = 24
+BF16_FLOP_PER_CYCLE = CUBE_CORES * 2 * 16 * 16 * 16
+INT8_FLOP_PER_CYCLE = CUBE_CORES * 2 * 16 * 32 * 16
+DDR_BYTES_PER_CYCLE = CUBE_CORES * 32
+
+
+def roofline(bf16_flops: float, int8_flops: float, nbytes: float) -> float:
+    return max(bf16_flops / BF16_FLOP_PER_CYCLE + int8_flops / INT8_FLOP_PER_CYCLE, nbytes / DDR_BYTES_PER_CYCLE)
+
+
+def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
+    """Run one stage's kernel in cost-model-only mode (this runs in a child process)."""
+    import ml_dtypes
+
+    c = FLASH
+    local = p_rows // tp
+    bf = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    x, d, h, q, g, ro = c.hidden_size, c.head_dim, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
+    rd = c.qk_rope_head_dim
+    if stage == "lowering":
+        from dspark_kernels.pypto.lowering import run_lowering
+
+        qsl = np.linspace(0, p_rows, requests + 1).astype(np.int32)
+        return run_lowering(qsl, local, local).cycles
+    if stage == "shared_kv":
+        from dspark_kernels.pypto.projections import run_shared_kv
+
+        return run_shared_kv(np.zeros((p_rows, x), bf), np.zeros((d, x), bf), np.ones(d, np.float32),
+                             np.ones((p_rows, rd // 2), bf), np.zeros((p_rows, rd // 2), bf), c.rms_norm_eps).cycles
+    if stage == "query":
+        from dspark_kernels.pypto.projections import run_query
+
+        return run_query(np.zeros((local, x), bf), np.zeros((q, x), bf), np.ones(q, np.float32),
+                         np.zeros((h * d, q), np.int8), np.ones(h * d, np.float32), np.ones((local, rd // 2), bf),
+                         np.zeros((local, rd // 2), bf), h, c.rms_norm_eps).cycles
+    if stage == "ori_scatter":
+        from dspark_kernels.pypto.paged import run_scatter
+
+        return run_scatter(np.zeros((64 * 32, d), bf), np.zeros((p_rows, d), bf),
+                           np.arange(p_rows, dtype=np.int64)).cycles
+    if stage == "window":
+        from dspark_kernels.pypto.paged import run_window
+
+        width = c.layout.pools["ori"].table_width
+        table = rng.permutation(requests * width).astype(np.int32).reshape(requests, width)
+        return run_window(np.arange(local, dtype=np.int32) + 1000, np.zeros(local, np.int32), table,
+                          c.sliding_window).cycles
+    if stage == "o_proj":
+        from dspark_kernels.pypto.o_proj import run_o_proj
+
+        return run_o_proj(np.zeros((local, h * d), bf), np.zeros((g * ro, h * d // g), bf),
+                          np.zeros((x, g * ro), np.int8), np.ones(x, np.float32), g).cycles
+    raise ValueError(stage)
+
+
+def stage_roofline(stage: str, p_rows: int, tp: int, requests: int) -> float:
+    c = FLASH
+    local = p_rows // tp
+    x, d, h, q, g, ro = c.hidden_size, c.head_dim, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
+    w = c.sliding_window
+    table = requests * c.layout.pools["ori"].table_width
+    return {
+        "lowering": roofline(0, 0, 4 * (requests + 1) + 4 + 4 * local),
+        "shared_kv": roofline(2 * p_rows * x * d, 0, 2 * (p_rows * x + d * x + p_rows * d) + 4 * d + 4 * p_rows * 64),
+        "query": roofline(2 * local * x * q, 2 * local * q * h * d,
+                          2 * local * x + 2 * q * x + h * d * q + 4 * h * d + 2 * local * h * d
+                          + local * q + 4 * local),
+        "ori_scatter": roofline(0, 0, 2 * 2 * p_rows * d + 4 * p_rows),
+        "window": roofline(0, 0, 8 * local + 4 * table + 4 * local * w),
+        "o_proj": roofline(2 * local * h * d * ro, 2 * local * g * ro * x,
+                           2 * local * h * d + 2 * g * ro * (h * d // g) + x * g * ro + 4 * x + 2 * local * x),
+    }[stage]
+
+
+STAGES = ("lowering", "shared_kv", "query", "ori_scatter", "window", "o_proj")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=512, help="packed group rows P (default 512)")
+    parser.add_argument("--tp", type=int, default=4, help="TP group size (default 4: L = P / 4 query rows)")
+    parser.add_argument("--requests", type=int, default=4, help="packed requests (default 4)")
+    parser.add_argument("--stages", nargs="*", default=list(STAGES), choices=STAGES)
+    args = parser.parse_args()
+    os.environ["DSPARK_PYPTO_COST_ONLY"] = "1"  # the child compiles and runs the cost model only
+    print("pypto 0.2.0 cost-model estimates for A2/A3 (SIM mode; not measured on hardware)")
+    print(f"FLASH head sizes, packed batch P={args.rows} rows, TP={args.tp} (L={args.rows // args.tp}), "
+          f"R={args.requests} requests")
+    print(f"{'stage':<12} {'rows':>5} {'cost-model cycles':>18} {'roofline cycles':>16} {'ratio':>8} {'wall s':>7}")
+    from benchmarks import bench_pypto as importable  # run_isolated needs a module-level function by import path
+
+    for stage in args.stages:
+        start = time.perf_counter()
+        cycles = run_isolated(importable.stage_cycles, stage, args.rows, args.tp, args.requests, timeout=3000)
+        wall = time.perf_counter() - start
+        roof = stage_roofline(stage, args.rows, args.tp, args.requests)
+        rows = args.rows if stage in ("shared_kv", "ori_scatter") else args.rows // args.tp
+        ratio = f"{cycles / roof:8.1f}" if cycles else "     n/a"
+        print(f"{stage:<12} {rows:>5} {cycles or 0:>18} {roof:>16.0f} {ratio} {wall:>7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

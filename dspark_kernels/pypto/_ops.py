@@ -1,0 +1,71 @@
+"""Building blocks traced inside pypto kernels: int8 row quantisation, RMSNorm, interleaved RoPE.
+
+Each function takes and returns pypto tensors and is called while a ``@kernel`` function is traced;
+each mirrors the reference's numerics (``dspark_kernels.reference.numerics`` / ``rope``) op for op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dspark_kernels.pypto.runtime import pypto
+
+#: Floor of the per-row absolute maximum before int8 scaling (the reference's ``INT8_AMAX_FLOOR``).
+INT8_AMAX_FLOOR = 1e-4
+
+Tensor = Any  # pypto.Tensor while tracing
+
+
+def int8_rows(v: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 quantisation over the last axis: (q int8 [..., K], dequant fp32 [..., 1]).
+
+    amax = max(max|v|, 1e-4); scale = 127 / amax; q = round-half-even(v * scale) via int32 -> fp16 -> int8
+    (|q| <= 127, so the fp16 and int8 steps are exact); dequant = 1 / scale.
+    """
+    v = pypto.cast(v, pypto.DT_FP32)
+    amax = pypto.amax(pypto.abs(v), -1, keepdim=True)
+    amax = pypto.maximum(amax, pypto.full(amax.shape, INT8_AMAX_FLOOR, pypto.DT_FP32))
+    scale = pypto.div(pypto.full(amax.shape, 127.0, pypto.DT_FP32), amax)
+    q32 = pypto.cast(pypto.mul(v, scale), pypto.DT_INT32, pypto.CastMode.CAST_RINT)
+    q8 = pypto.cast(pypto.cast(q32, pypto.DT_FP16, pypto.CastMode.CAST_ROUND), pypto.DT_INT8, pypto.CastMode.CAST_TRUNC)
+    dequant = pypto.div(pypto.full(scale.shape, 1.0, pypto.DT_FP32), scale)
+    return q8, dequant
+
+
+def rms_norm(v: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """``v * rsqrt(mean(v^2) + eps) * weight`` over the last axis, fp32 in and out.
+
+    v: [..., K] fp32; weight: [1, ..., K] fp32 broadcastable row, or None (unweighted).
+    """
+    k = v.shape[-1]
+    mean_sq = pypto.sum(pypto.mul(pypto.mul(v, v), 1.0 / k), -1, keepdim=True)
+    inv = pypto.div(pypto.full(mean_sq.shape, 1.0, pypto.DT_FP32), pypto.sqrt(pypto.add(mean_sq, eps)))
+    out = pypto.mul(v, inv)
+    return out if weight is None else pypto.mul(out, weight)
+
+
+def rope_interleaved(even: Tensor, odd: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False
+                     ) -> tuple[Tensor, Tensor]:
+    """Rotate interleaved pairs (e, o) given as two [..., rd/2] fp32 tensors.
+
+    forward: (e cos - o sin, e sin + o cos); inverse: (e cos + o sin, o cos - e sin).
+    """
+    if inverse:
+        return (pypto.add(pypto.mul(even, cos), pypto.mul(odd, sin)),
+                pypto.sub(pypto.mul(odd, cos), pypto.mul(even, sin)))
+    return (pypto.sub(pypto.mul(even, cos), pypto.mul(odd, sin)),
+            pypto.add(pypto.mul(even, sin), pypto.mul(odd, cos)))
+
+
+def split_pairs(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[T, rd] interleaved -> (even [T, rd/2], odd [T, rd/2]) via reshape [T, rd/2, 2] and a transpose."""
+    t, rd = x.shape
+    planar = pypto.reshape(pypto.transpose(pypto.reshape(x, [t, rd // 2, 2]), 1, 2), [t, rd])  # [evens | odds]
+    return pypto.view(planar, [t, rd // 2], [0, 0]), pypto.view(planar, [t, rd // 2], [0, rd // 2])
+
+
+def merge_pairs(even: Tensor, odd: Tensor) -> Tensor:
+    """Inverse of :func:`split_pairs`: (even, odd) [T, rd/2] -> interleaved [T, rd]."""
+    t, half = even.shape
+    planar = pypto.concat([even, odd], -1)                                                    # [T, rd]
+    return pypto.reshape(pypto.transpose(pypto.reshape(planar, [t, 2, half]), 1, 2), [t, 2 * half])

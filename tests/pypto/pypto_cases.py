@@ -1,0 +1,59 @@
+"""Functions the pypto tests run in a child process (see dspark_kernels.pypto.isolate).
+
+Each takes and returns plain numpy data, so the parent test never imports torch or pypto.
+"""
+
+import numpy as np
+
+
+def lowering_many(cases: list[tuple[np.ndarray, list[tuple[int, int]]]]) -> list[list[np.ndarray]]:
+    """Per (query_start_loc, [(local_base, L), ...]) case, the kernel's ids for each window."""
+    from dspark_kernels.pypto.lowering import run_lowering
+
+    return [[run_lowering(qsl, base, rows).values[-1] for base, rows in windows] for qsl, windows in cases]
+
+
+def projections_many(cases: list[tuple]) -> list[list[np.ndarray]]:
+    """Per (x_local, x_full, prepared weights, cos/sin local, cos/sin full, heads, eps): [q, qr_q, qr_scale, kv]."""
+    from dspark_kernels.pypto.projections import run_query, run_shared_kv
+
+    out = []
+    for x_local, x_full, w, cos_local, sin_local, cos_full, sin_full, heads, eps in cases:
+        q = run_query(x_local, w.wq_a, w.q_norm, w.wq_b, w.wq_b_scale, cos_local, sin_local, heads, eps)
+        kv = run_shared_kv(x_full, w.wkv, w.kv_norm, cos_full, sin_full, eps)
+        out.append([v.astype(np.float32) for v in q.values[-3:]] + [kv.values[-1].astype(np.float32)[:, 0]])
+    return out
+
+
+def scatter_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """New pools after ``pool[slots] = values`` for each (pool, values, slots)."""
+    from dspark_kernels.pypto.paged import run_scatter
+
+    return [run_scatter(pool, values, slots).values[0] for pool, values, slots in cases]
+
+
+def window_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]) -> list[np.ndarray]:
+    """Window rows for each (positions, request_ids, ori_table, window)."""
+    from dspark_kernels.pypto.paged import run_window
+
+    return [run_window(*case).values[-1] for case in cases]
+
+
+def o_proj_many(cases: list[tuple]) -> list[np.ndarray]:
+    """Per (attn [T, H*D], prepared weights): the kernel's out [T, X] as float32."""
+    from dspark_kernels.pypto.o_proj import run_o_proj
+
+    return [run_o_proj(attn, w.wo_a, w.wo_b, w.wo_b_scale, w.wo_a.shape[0]).values[-1].astype(np.float32)
+            for attn, w in cases]
+
+
+def unwritten_output() -> None:
+    """A kernel that writes half of its output: the runtime must raise KernelOutputError."""
+    from dspark_kernels.pypto.runtime import Out, kernel, launch, pypto
+
+    @kernel
+    def half(x: pypto.Tensor([8, 16], pypto.DT_FP32), out: pypto.Tensor([16, 16], pypto.DT_FP32)):
+        pypto.set_vec_tile_shapes(8, 16)
+        pypto.assemble(pypto.add(x, 1.0), [0, 0], out)
+
+    launch(half, [np.zeros((8, 16), np.float32), Out((16, 16), np.float32, "out")])
