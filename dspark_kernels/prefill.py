@@ -80,24 +80,29 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     inputs: [P] int64 token ids (embedded here) or [P, D] / [P, hc, D] float32 hidden rows; padding rows
     must be zero. weights: :class:`ModelWeights` (random, in-memory or lazily read safetensors).
     caches: :class:`ModelCaches` allocated with the batch's pool block counts; written in place.
-    backend: 'reference' (numpy, default) or 'pypto' (attention stages through pypto kernels).
+    backend: 'reference' (numpy, default) or 'pypto' (attention stages through pypto kernels; needs the
+    ``pypto`` extra and ``precision="a2a3"``, the numerics those kernels implement).
     precision: 'fp32' (exact, default) or 'a2a3' (the a2a3 kernels' bf16/int8 numerics).
     layers: layer indices to run (default all); logit_rows: group rows to sample (default batch.logit_rows).
     For one rank's view of a TP group see :mod:`dspark_kernels.tp`.
     """
     issues = _check(batch, inputs, weights, backend, layers)
+    if backend == "pypto" and precision != "a2a3":
+        issues.append(Issue("config.invalid", "precision", "the pypto backend computes the a2a3 kernels' numerics",
+                            expected="a2a3", actual=precision))
     if issues:
         raise ABIError(issues)
-    forward = run_forward
+    attention_fn = None
     if backend == "pypto":
-        from dspark_kernels.pypto import backend_forward
+        from dspark_kernels.pypto import attention_pypto
 
-        forward = backend_forward
+        def attention_fn(b, layer, x, w, c, *, precision, rank):  # type: ignore[no-untyped-def]
+            return attention_pypto(b, layer, x, w, c, rank=rank)
     run = list(range(batch.config.num_layers)) if layers is None else list(layers)
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
-        result: ForwardResult = forward(batch, inputs, weights, caches, precision=precision, layers=layers,
-                                        logit_rows=logit_rows, on_layer=on_layer)
+        result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=layers,
+                                            logit_rows=logit_rows, on_layer=on_layer, attention_fn=attention_fn)
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
