@@ -1,0 +1,140 @@
+"""`ModelCaches`: the paged pools of every layer, allocated together and saved to / loaded from safetensors.
+
+A prefill writes these in place; saving them lets a later process continue the same requests (the next chunk,
+or decode) with the allocator's tables. One safetensors file holds tensors ``layers.{i}.{pool}`` (the arrays of
+:class:`~dspark_kernels.reference.caches.LayerCaches`, e.g. ``layers.1.idx_scale``) and a JSON header with the
+format name and version, the full :class:`ModelConfig`, the precision and the pool block counts. Loading
+checks all of them against the config the caller expects and reports every mismatch at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from dspark_abi.batch import PackedBatch, PoolBlocks
+from dspark_abi.config import ModelConfig
+from dspark_abi.errors import ABIError, Issue
+from dspark_kernels.reference.caches import POOLS_BY_KIND, LayerCaches
+from dspark_kernels.reference.numerics import Precision, check_precision
+
+FORMAT = "dspark.caches"
+FORMAT_VERSION = "1"
+
+
+@attrs.define(eq=False)
+class ModelCaches:
+    """One :class:`LayerCaches` per layer of ``config`` (index = layer), all with the same precision and blocks."""
+
+    config: ModelConfig
+    precision: Precision
+    pool_blocks: PoolBlocks
+    layers: list[LayerCaches]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, pool_blocks: PoolBlocks | Mapping[str, int], *,
+                 precision: str = "fp32") -> ModelCaches:
+        """Zero pools for every layer. ``pool_blocks``: blocks per pool, as the batch's allocator was given."""
+        prec = check_precision(precision)
+        blocks = PoolBlocks.from_mapping(pool_blocks)
+        layers = [LayerCaches.allocate(config, i, blocks.as_dict(), prec) for i in range(config.num_layers)]
+        return cls(config=config, precision=prec, pool_blocks=blocks, layers=layers)
+
+    def __getitem__(self, layer: int) -> LayerCaches:
+        return self.layers[layer]
+
+    def copy(self) -> ModelCaches:
+        """A deep copy (every pool copied): a TP rank's replica, or a snapshot to compare against."""
+        return attrs.evolve(self, layers=[lc.copy() for lc in self.layers])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """``layers.{i}.{pool}`` -> live array (the names the saved file uses)."""
+        return {f"layers.{i}.{n}": a for i, lc in enumerate(self.layers) for n, a in lc.arrays().items()}
+
+    def issues_for(self, batch: PackedBatch, precision: str, layers: range | list[int]) -> list[Issue]:
+        """Every reason these caches cannot serve ``batch`` at ``precision`` over ``layers`` (empty = fine)."""
+        issues = []
+        if self.config != batch.config:
+            issues.append(Issue("config.mismatch", "caches.config", "caches were allocated for another config",
+                                expected=batch.config.name, actual=self.config.name))
+            return issues
+        if self.precision != precision:
+            issues.append(Issue("config.mismatch", "caches.precision", "caches hold another precision's values",
+                                expected=precision, actual=self.precision))
+        used = {p for i in layers for p in POOLS_BY_KIND[self.config.layer_kind(i)]}
+        for pool in sorted(used):
+            if self.pool_blocks[pool] != batch.pool_blocks[pool]:
+                issues.append(Issue("config.mismatch", f"caches.pool_blocks.{pool}",
+                                    "the batch's tables address a pool of another size",
+                                    expected=batch.pool_blocks[pool], actual=self.pool_blocks[pool]))
+        return issues
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | Path) -> None:
+        """Write every pool of every layer and the header (config, precision, blocks) to ``path``."""
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": self.config.model_dump_json(),
+                "precision": self.precision, "pool_blocks": json.dumps(self.pool_blocks.as_dict())}
+        save_file({n: np.ascontiguousarray(a) for n, a in self.arrays().items()}, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path, config: ModelConfig, *, precision: str | None = None) -> ModelCaches:
+        """Read caches saved by :meth:`save`, checking format, config, precision (if given), every array's
+        presence, shape and dtype; raises one :class:`ABIError` with every issue (nothing is returned)."""
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+        except (OSError, SafetensorError) as exc:
+            raise ABIError([Issue("array.missing", "caches", f"cannot read {path}: {exc}",
+                                  expected="a safetensors caches file", actual=type(exc).__name__)]) from None
+        issues = _header_issues(meta, config, precision)
+        if issues:
+            raise ABIError(issues)
+        blocks = PoolBlocks.from_mapping(json.loads(meta["pool_blocks"]))
+        out = cls.allocate(config, blocks, precision=meta["precision"])
+        for name, want in out.arrays().items():
+            got = tensors.get(name)
+            if got is None:
+                issues.append(Issue("array.missing", name, "pool missing from the caches file",
+                                    expected=list(want.shape), actual="missing"))
+            elif got.shape != want.shape or got.dtype != want.dtype:
+                issues.append(Issue("array.shape" if got.shape != want.shape else "array.dtype", name,
+                                    "pool differs from what the config and blocks imply",
+                                    expected=f"{list(want.shape)} {want.dtype}",
+                                    actual=f"{list(got.shape)} {got.dtype}"))
+            else:
+                want[...] = got
+        if issues:
+            raise ABIError(issues)
+        return out
+
+
+def _header_issues(meta: dict[str, str], config: ModelConfig, precision: str | None) -> list[Issue]:
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        return [Issue("config.mismatch", "caches.format", "not a caches file of a known format version",
+                      expected=f"{FORMAT} v{FORMAT_VERSION}",
+                      actual=f"{meta.get('format')} v{meta.get('format_version')}")]
+    issues = []
+    try:
+        saved = ModelConfig.model_validate_json(meta.get("config", ""))
+    except ValueError:
+        saved = None
+    if saved != config:
+        issues.append(Issue("config.mismatch", "caches.config", "caches were saved for another config",
+                            expected=config.name, actual=getattr(saved, "name", "unreadable")))
+    if precision is not None and meta.get("precision") != precision:
+        issues.append(Issue("config.mismatch", "caches.precision", "caches were saved at another precision",
+                            expected=precision, actual=meta.get("precision")))
+    try:
+        PoolBlocks.from_mapping(json.loads(meta.get("pool_blocks", "")))
+    except (ValueError, TypeError, AttributeError):
+        issues.append(Issue("pools.blocks", "caches.pool_blocks", "header lacks valid pool block counts",
+                            expected="7 positive counts", actual=meta.get("pool_blocks")))
+    return issues
+

@@ -1,0 +1,352 @@
+"""Whole-model weights by DeepSeek-V4 checkpoint names, read lazily (one layer at a time) and validated up front.
+
+Names (as DeepSeek-V4's ``inference/model.py`` and ``convert.py`` produce them; [out, in] layouts; D hidden,
+hc streams, mix = (2 + hc) * hc, V vocab, E routed experts, K experts per token, I expert width, S shared experts):
+
+=============================================  ==================  =========================================
+name                                           shape               notes
+=============================================  ==================  =========================================
+``embed.weight``                               [V, D]
+``layers.{i}.attn.*``                          see weights.py      :class:`AttentionWeights` (per layer kind)
+``layers.{i}.attn_norm.weight``                [D]
+``layers.{i}.ffn_norm.weight``                 [D]
+``layers.{i}.hc_attn_fn`` / ``hc_ffn_fn``      [mix, hc*D]         fp32 in the checkpoint
+``layers.{i}.hc_attn_scale`` / ``hc_ffn_scale`` [3]
+``layers.{i}.hc_attn_base`` / ``hc_ffn_base``  [mix]
+``layers.{i}.ffn.gate.weight``                 [E, D]
+``layers.{i}.ffn.gate.bias``                   [E]                 learned-gate layers (i >= num_hash_layers)
+``layers.{i}.ffn.gate.tid2eid``                [V, K] int          hash layers (i < num_hash_layers)
+``layers.{i}.ffn.experts.{e}.w1/w3.weight``    [I, D]
+``layers.{i}.ffn.experts.{e}.w2.weight``       [D, I]
+``layers.{i}.ffn.shared_experts.w1/w3.weight`` [S*I, D]            absent when S = 0
+``layers.{i}.ffn.shared_experts.w2.weight``    [D, S*I]
+``norm.weight``                                [D]
+``head.weight``                                [V, D]
+``hc_head_fn`` / ``hc_head_scale`` / ``hc_head_base``  [hc, hc*D] / [1] / [hc]
+=============================================  ==================  =========================================
+
+Float tensors may be float16, bfloat16, float32 or float64 and are computed with as float32; ``tid2eid`` is
+int32 or int64. FP8/FP4 checkpoint tensors (with ``.scale`` companions) must be dequantised first. Names the
+model does not use (``mtp.*``, scales) are ignored.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from dspark_abi.config import ModelConfig
+from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_kernels.reference.head import HeadWeights
+from dspark_kernels.reference.hyper_connections import HcWeights
+from dspark_kernels.reference.moe import MoEWeights
+from dspark_kernels.reference.weights import AttentionWeights, expected_shapes
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INT_DTYPES = ("int32", "int64")
+_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I32": "int32",
+              "I64": "int64", "I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
+#: Random tensors larger than this repeat a block of this many (prime) values, so that building a DEMO-size
+#: model costs memory bandwidth, not random-number generation. Rows never repeat (prime period > row length).
+_RANDOM_PERIOD = 1_048_573
+
+
+@attrs.frozen
+class TensorSpec:
+    """Expected shape and dtype family ('float' or 'int') of one checkpoint tensor."""
+
+    shape: tuple[int, ...]
+    family: str = "float"
+
+
+def weight_specs(config: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor the model reads, checkpoint name -> :class:`TensorSpec` (the table in the module docstring)."""
+    c, m = config, config.moe
+    d, hc, v = c.hidden_size, c.hc_mult, c.vocab_size
+    mix, inter, shared = (2 + hc) * hc, m.moe_intermediate_size, m.n_shared_experts * m.moe_intermediate_size
+    out = {"embed.weight": TensorSpec((v, d))}
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        out |= {AttentionWeights.prefix(i) + n: TensorSpec(s) for n, s in expected_shapes(c, i).items()}
+        out |= {p + "attn_norm.weight": TensorSpec((d,)), p + "ffn_norm.weight": TensorSpec((d,))}
+        for which in ("attn", "ffn"):
+            out |= {p + f"hc_{which}_fn": TensorSpec((mix, hc * d)), p + f"hc_{which}_scale": TensorSpec((3,)),
+                    p + f"hc_{which}_base": TensorSpec((mix,))}
+        out[p + "ffn.gate.weight"] = TensorSpec((m.n_routed_experts, d))
+        if i < m.num_hash_layers:
+            out[p + "ffn.gate.tid2eid"] = TensorSpec((v, m.num_experts_per_tok), "int")
+        else:
+            out[p + "ffn.gate.bias"] = TensorSpec((m.n_routed_experts,))
+        for e in range(m.n_routed_experts):
+            q = f"{p}ffn.experts.{e}."
+            out |= {q + "w1.weight": TensorSpec((inter, d)), q + "w2.weight": TensorSpec((d, inter)),
+                    q + "w3.weight": TensorSpec((inter, d))}
+        if shared:
+            q = p + "ffn.shared_experts."
+            out |= {q + "w1.weight": TensorSpec((shared, d)), q + "w2.weight": TensorSpec((d, shared)),
+                    q + "w3.weight": TensorSpec((shared, d))}
+    out |= {"norm.weight": TensorSpec((d,)), "head.weight": TensorSpec((v, d)),
+            "hc_head_fn": TensorSpec((hc, hc * d)), "hc_head_scale": TensorSpec((1,)),
+            "hc_head_base": TensorSpec((hc,))}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- sources
+class _ArraySource:
+    def __init__(self, arrays: Mapping[str, Any]):
+        self.arrays = dict(arrays)
+
+    def info(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {n: (tuple(np.shape(a)), str(np.asarray(a).dtype)) for n, a in self.arrays.items()}
+
+    def load(self, name: str) -> np.ndarray:
+        return np.asarray(self.arrays[name])
+
+
+class _SafetensorsSource:
+    """Tensors spread over safetensors files; headers are read at construction, data when a tensor is loaded."""
+
+    def __init__(self, paths: Iterable[Path]):
+        self.where: dict[str, Path] = {}
+        self._info: dict[str, tuple[tuple[int, ...], str]] = {}
+        for path in paths:
+            with safe_open(str(path), framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    sl = f.get_slice(name)
+                    self.where[name] = path
+                    self._info[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+
+    def info(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return self._info
+
+    def load(self, name: str) -> np.ndarray:
+        with safe_open(str(self.where[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+class _RandomSource:
+    """Deterministic random tensors: each name seeds its own generator from (seed, crc32(seed name)).
+
+    The seed name is the checkpoint name, unless ``share_layers``: then attention and gate tensors of all layers
+    of one (kind, hash-routed) class, and the experts of all layers, get equal values (a DEMO-size model then
+    fits in memory for benchmarks, since :class:`ModelWeights` shares the arrays too).
+    """
+
+    def __init__(self, config: ModelConfig, seed: int, share_layers: bool):
+        self.config, self.seed, self.share_layers = config, seed, share_layers
+        self.specs = weight_specs(config)
+
+    def info(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {n: (s.shape, "float32" if s.family == "float" else "int32") for n, s in self.specs.items()}
+
+    def layer_key(self, layer: int) -> str:
+        """Layers with equal keys get equal attention/gate values under ``share_layers``."""
+        return f"{self.config.layer_kind(layer)}-{'hash' if layer < self.config.moe.num_hash_layers else 'gate'}"
+
+    def seed_name(self, name: str) -> str:
+        if not (self.share_layers and name.startswith("layers.")):
+            return name
+        _, index, rest = name.split(".", 2)
+        key = "all" if rest.startswith(("ffn.experts.", "ffn.shared_experts.")) else self.layer_key(int(index))
+        return f"layers.{key}.{rest}"
+
+    def load(self, name: str) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, zlib.crc32(self.seed_name(name).encode())])
+        return self._generate(name, self.specs[name], rng)
+
+    def _generate(self, name: str, spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+        shape, n = spec.shape, int(np.prod(spec.shape))
+        if spec.family == "int":  # tid2eid: K distinct experts per token
+            experts = self.config.moe.n_routed_experts
+            return np.argsort(rng.random((shape[0], experts)), axis=1)[:, : shape[1]].astype(np.int32)
+        leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
+        base = rng.standard_normal(min(n, _RANDOM_PERIOD), dtype=np.float32)
+        if leaf.endswith("norm") or leaf.endswith("_scale") or leaf == "scale":
+            base = 1.0 + 0.1 * base
+        elif leaf in ("bias", "ape") or leaf.endswith("_base"):
+            base = 0.1 * base if leaf != "ape" else 0.5 * base
+        elif leaf == "embed" or leaf == "attn_sink":
+            pass
+        else:  # projections [out, in]: unit-variance outputs
+            base = base * np.float32(shape[-1] ** -0.5)
+        base = base.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16 values, as a checkpoint holds
+        out = np.resize(base, n).reshape(shape)
+        out.flags.writeable = False
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- model
+@attrs.frozen
+class LayerWeights:
+    """Everything layer ``layer`` reads: attention, the two norms, the two hc mixers and the MoE FFN."""
+
+    layer: int
+    attn: AttentionWeights
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    hc_attn: HcWeights
+    hc_ffn: HcWeights
+    moe: MoEWeights
+
+
+class ModelWeights:
+    """All weights of a :class:`ModelConfig`, validated at construction, materialised lazily.
+
+    ``layer(i)`` reads layer i's tensors when it is asked for (a forward asks when the layer runs);
+    with ``keep_layers`` the result is kept for later calls, otherwise it is rebuilt each time (streaming,
+    for models larger than memory). Build with :meth:`random`, :meth:`from_safetensors` or :meth:`from_tensors`.
+    """
+
+    def __init__(self, config: ModelConfig, source: Any, *, keep_layers: bool = True):
+        self.config, self._source, self.keep_layers = config, source, keep_layers
+        self._layers: dict[int, LayerWeights] = {}
+        self._head: HeadWeights | None = None
+        self._embed: np.ndarray | None = None
+        self._stacked: dict[str, np.ndarray] | None = None
+        self.validate().raise_if_invalid()
+
+    def __getstate__(self) -> dict[str, Any]:  # ship the source, not materialised layers
+        return {**self.__dict__, "_layers": {}, "_head": None, "_embed": None, "_stacked": None}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, *, share_layers: bool = False,
+               keep_layers: bool = True) -> ModelWeights:
+        """Deterministic random weights (bf16 values): projections ~ N(0, 1/fan_in), norms and hc scales
+        ~ 1 + N(0, 0.01), biases ~ N(0, 0.01), ape ~ N(0, 0.25), embeddings and sinks ~ N(0, 1), and
+        ``tid2eid`` rows of K distinct experts. ``share_layers`` gives all layers of one kind the same values."""
+        return cls(config, _RandomSource(config, seed, share_layers), keep_layers=keep_layers)
+
+    @classmethod
+    def from_safetensors(cls, paths: str | Path | Iterable[str | Path], config: ModelConfig, *,
+                         keep_layers: bool = False) -> ModelWeights:
+        """Weights from a directory of ``*.safetensors`` files or a list of files (headers checked now)."""
+        if isinstance(paths, str | Path) and Path(paths).is_dir():
+            files = sorted(Path(paths).glob("*.safetensors"))
+        else:
+            files = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
+        if not files:
+            raise ABIError([Issue("array.missing", "weights", "no *.safetensors files found",
+                                  expected="one or more files", actual=str(paths))])
+        return cls(config, _SafetensorsSource(files), keep_layers=keep_layers)
+
+    @classmethod
+    def from_tensors(cls, config: ModelConfig, tensors: Mapping[str, Any]) -> ModelWeights:
+        """Weights from an in-memory mapping checkpoint name -> array."""
+        return cls(config, _ArraySource(tensors))
+
+    def save_safetensors(self, path: str | Path, *, dtype: str = "bfloat16") -> None:
+        """Write every tensor to one safetensors file (floats as ``dtype``), loadable by :meth:`from_safetensors`."""
+        out = {}
+        for name, spec in weight_specs(self.config).items():
+            a = self.tensor(name)
+            out[name] = np.ascontiguousarray(a.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+                                             if spec.family == "float" else a)
+        save_file(out, str(path), metadata={"config": self.config.model_dump_json()})
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> ValidationReport:
+        """Every missing, mis-shaped or mis-typed tensor (codes array.missing / array.shape / array.dtype)."""
+        info = self._source.info()
+        issues = []
+        for name, spec in weight_specs(self.config).items():
+            if name not in info:
+                issues.append(Issue("array.missing", name, f"required by {self.config.name}",
+                                    expected=list(spec.shape), actual="missing"))
+                continue
+            shape, dtype = info[name]
+            allowed = FLOAT_DTYPES if spec.family == "float" else INT_DTYPES
+            if dtype not in allowed:
+                issues.append(Issue("array.dtype", name, f"must be one of {'/'.join(allowed)} (dequantise FP8/FP4 "
+                                    "checkpoints first)", expected=spec.family, actual=dtype))
+            if tuple(shape) != spec.shape:
+                issues.append(Issue("array.shape", name, f"wrong shape for {self.config.name}",
+                                    expected=list(spec.shape), actual=list(shape)))
+        return ValidationReport(tuple(issues))
+
+    # ------------------------------------------------------------------ access
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor by checkpoint name, as float32 (floats) or int64 (``tid2eid``)."""
+        a = self._source.load(name)
+        if a.dtype.kind in "iu":
+            return a.astype(np.int64, copy=False)
+        return a if a.dtype == np.float32 else a.astype(np.float32)
+
+    def embed(self) -> np.ndarray:
+        """``embed.weight`` [V, D] fp32 (read once, then kept)."""
+        if self._embed is None:
+            self._embed = self.tensor("embed.weight")
+        return self._embed
+
+    def head(self) -> HeadWeights:
+        """hc_head mixer, final norm and LM head (read once, then kept)."""
+        if self._head is None:
+            t = self.tensor
+            self._head = HeadWeights(HcWeights(t("hc_head_fn"), t("hc_head_scale"), t("hc_head_base")),
+                                     t("norm.weight"), t("head.weight"))
+        return self._head
+
+    def layer(self, i: int) -> LayerWeights:
+        """Layer ``i``'s weights (read from the source now unless kept from an earlier call)."""
+        if not 0 <= i < self.config.num_layers:
+            raise ABIError([Issue("config.mismatch", "layer", f"{self.config.name} has {self.config.num_layers} "
+                                  "layers", expected=f"0 <= layer < {self.config.num_layers}", actual=i)])
+        if i in self._layers:
+            return self._layers[i]
+        twin = self._shared_twin(i)
+        if twin is not None:  # share_layers: same arrays, this layer's index
+            lw = attrs.evolve(twin, layer=i, attn=attrs.evolve(twin.attn, layer=i))
+        else:
+            lw = self._read_layer(i)
+        if self.keep_layers:
+            self._layers[i] = lw
+        return lw
+
+    def _shared_twin(self, i: int) -> LayerWeights | None:
+        src = self._source
+        if not (isinstance(src, _RandomSource) and src.share_layers and self.keep_layers):
+            return None
+        return next((lw for j, lw in self._layers.items() if src.layer_key(j) == src.layer_key(i)), None)
+
+    def _experts(self, i: int) -> dict[str, np.ndarray]:
+        """Stacked ``w1``/``w2``/``w3`` [E, ...] of layer i (shared between layers under ``share_layers``)."""
+        src, p = self._source, f"layers.{i}.ffn.experts."
+        shared = isinstance(src, _RandomSource) and src.share_layers and self.keep_layers
+        if shared and self._stacked is not None:
+            return self._stacked
+        out = {w: np.stack([self.tensor(f"{p}{e}.{w}.weight") for e in range(self.config.moe.n_routed_experts)])
+               for w in ("w1", "w2", "w3")}
+        if shared:
+            self._stacked = out
+        return out
+
+    def _read_layer(self, i: int) -> LayerWeights:
+        c, t, p = self.config, self.tensor, f"layers.{i}."
+        attn_names = [AttentionWeights.prefix(i) + n for n in expected_shapes(c, i)]
+        attn = AttentionWeights.from_tensors(c, i, {n: self._source.load(n) for n in attn_names})
+        e_count = c.moe.n_routed_experts
+        stack = self._experts(i)
+        shared = {w: (t(f"{p}ffn.shared_experts.{w}.weight") if c.moe.n_shared_experts else None)
+                  for w in ("w1", "w2", "w3")}
+        hash_layer = i < c.moe.num_hash_layers
+        tid2eid = t(p + "ffn.gate.tid2eid") if hash_layer else None
+        if tid2eid is not None and (tid2eid.min() < 0 or tid2eid.max() >= e_count):
+            raise ABIError([Issue("config.mismatch", p + "ffn.gate.tid2eid", "expert ids must lie in [0, E)",
+                                  expected=f"[0, {e_count})", actual=[int(tid2eid.min()), int(tid2eid.max())])])
+        moe = MoEWeights(gate_w=t(p + "ffn.gate.weight"), gate_bias=None if hash_layer else t(p + "ffn.gate.bias"),
+                         tid2eid=tid2eid, w1=stack["w1"], w2=stack["w2"], w3=stack["w3"],
+                         shared_w1=shared["w1"], shared_w2=shared["w2"], shared_w3=shared["w3"])
+
+        def hc(which: str) -> HcWeights:
+            return HcWeights(t(f"{p}hc_{which}_fn"), t(f"{p}hc_{which}_scale"), t(f"{p}hc_{which}_base"))
+
+        return LayerWeights(layer=i, attn=attn, attn_norm=t(p + "attn_norm.weight"), ffn_norm=t(p + "ffn_norm.weight"),
+                            hc_attn=hc("attn"), hc_ffn=hc("ffn"), moe=moe)

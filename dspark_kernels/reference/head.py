@@ -1,0 +1,63 @@
+"""The model head: hc_head stream reduction, final RMSNorm, LM head over requested rows and greedy sampling.
+
+Math (upstream-design section 5.10 "Head"; DeepSeek-V4 ``ParallelHead``):
+``x_out = rms(hc_head(x_hc), norm_w)`` for every row, ``logits = x_out[rows] @ head_w.T`` (fp32) for the
+requested rows only, ``sampled = argmax(logits)`` (first maximum). Rows with index -1 are inactive: their logits
+are zero and their sampled id is -1.
+
+Precision ``"a2a3"``: the hc_head output and ``x_out`` are bf16 (upstream's ``hidden_workspace`` and ``x_out``);
+logits accumulate in fp32. Under TP the vocabulary is split into contiguous shards (rank r owns
+``vocab_shard(V, TP, r)``); each rank computes its shard and the logits are all-gathered along the vocabulary.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from dspark_abi.config import ModelConfig
+from dspark_kernels.reference.hyper_connections import HcWeights, hc_head
+from dspark_kernels.reference.numerics import Precision, check_precision, narrow, rms_norm
+
+
+@attrs.frozen
+class HeadWeights:
+    """hc_head mixer, final norm ``norm.weight`` [D] and LM head ``head.weight`` [V, D] (fp32 arrays)."""
+
+    hc: HcWeights
+    norm: np.ndarray
+    head: np.ndarray
+
+
+def final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *,
+                 precision: Precision = "fp32") -> np.ndarray:
+    """``rms(hc_head(x_hc), norm)``: x_hc [T, hc, D] fp32 -> x_out [T, D] fp32 (bf16 values in a2a3 mode).
+
+    Zero (padding) rows give zero rows.
+    """
+    check_precision(precision)
+    h = hc_head(x_hc, weights.hc, config, precision=precision)
+    return narrow(rms_norm(h, weights.norm, config.rms_norm_eps), precision)
+
+
+def vocab_shard(vocab: int, tp_size: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous vocabulary rows: ``ceil(V / TP)`` each, the last shard possibly shorter."""
+    width = -(-vocab // tp_size)
+    return slice(min(rank * width, vocab), min((rank + 1) * width, vocab))
+
+
+def logits_for_rows(x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
+    """LM-head logits of the requested rows: x_out [T, D], rows [M] int (-1 = inactive), head_w [V', D]
+    (the whole head or one vocabulary shard) -> [M, V'] fp32, zero on inactive rows."""
+    rows = np.asarray(rows, dtype=np.int64)
+    out = np.zeros((rows.size, head_w.shape[0]), dtype=np.float32)
+    active = rows >= 0
+    if active.any():
+        out[active] = x_out[rows[active]] @ head_w.T
+    return out
+
+
+def greedy(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Greedy ids [M] int64: the first maximum of each active row; -1 where ``rows`` is -1."""
+    ids = np.argmax(logits, axis=-1).astype(np.int64) if logits.shape[-1] else np.zeros(len(rows), np.int64)
+    return np.where(np.asarray(rows) >= 0, ids, -1)

@@ -1,0 +1,55 @@
+"""Shared helpers of the layer/forward tests: TINY batches built step by step through the real builder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks
+from dspark_abi.presets import TINY
+from dspark_kernels.model_caches import ModelCaches
+from dspark_kernels.model_weights import ModelWeights
+
+#: Physical blocks per pool: enough for every request mix below (~200 tokens per request, 4 requests).
+POOL_BLOCKS = PoolBlocks.uniform(256)
+MAX_TOKENS = 512
+
+
+def tokens_of(request_id: int) -> np.ndarray:
+    """The (fixed, seeded) prompt of a request id."""
+    return np.random.default_rng(1000 + request_id).integers(0, TINY.vocab_size, MAX_TOKENS)
+
+
+class Session:
+    """One allocator + caches + weights; ``step`` builds a batch of (request, cached, new) and runs it."""
+
+    def __init__(self, *, tp: int = 1, precision: str = "fp32", weights: ModelWeights | None = None,
+                 pad_position: str = "zero"):
+        self.policy = PaddingPolicy(tp_size=tp, pad_position=pad_position)
+        self.alloc = BlockAllocator(TINY, POOL_BLOCKS)
+        self.caches = ModelCaches.allocate(TINY, POOL_BLOCKS, precision=precision)
+        self.weights = weights or tiny_weights()
+        self.precision = precision
+
+    def batch(self, requests: Sequence[tuple[int, int, int]]) -> PackedBatch:
+        bb = BatchBuilder(TINY, self.policy, self.alloc)
+        for rid, cached, new in requests:
+            bb.add(rid, num_cached=cached, num_new=new, token_ids=tokens_of(rid)[cached:cached + new])
+        return bb.build()
+
+
+_WEIGHTS: dict[int, ModelWeights] = {}
+
+
+def tiny_weights(seed: int = 0) -> ModelWeights:
+    """Random TINY weights, built once per seed for the whole session (layers kept)."""
+    if seed not in _WEIGHTS:
+        _WEIGHTS[seed] = ModelWeights.random(TINY, seed)
+    return _WEIGHTS[seed]
+
+
+@pytest.fixture
+def weights() -> ModelWeights:
+    return tiny_weights()

@@ -1,0 +1,100 @@
+"""Checkpoint naming, validation (every issue at once), lazy safetensors loading and the random initializer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from dspark_abi import ABIError
+from dspark_abi.presets import TINY
+from dspark_kernels import model_weights as mw
+from dspark_kernels.model_weights import ModelWeights, weight_specs
+
+
+def test_names_follow_deepseek_v4():
+    names = set(weight_specs(TINY))
+    for n in ("embed.weight", "norm.weight", "head.weight", "hc_head_fn", "hc_head_scale", "hc_head_base",
+              "layers.0.attn_norm.weight", "layers.0.ffn_norm.weight", "layers.0.hc_attn_fn", "layers.0.hc_ffn_base",
+              "layers.0.ffn.gate.weight", "layers.0.ffn.gate.tid2eid", "layers.1.ffn.gate.bias",
+              "layers.3.ffn.experts.3.w2.weight", "layers.2.ffn.shared_experts.w1.weight",
+              "layers.1.attn.indexer.compressor.ape", "layers.2.attn.compressor.wkv.weight"):
+        assert n in names, n
+    assert "layers.0.ffn.gate.bias" not in names and "layers.1.ffn.gate.tid2eid" not in names
+    assert weight_specs(TINY)["layers.0.hc_attn_fn"].shape == (24, 4 * TINY.hidden_size)
+
+
+def test_random_is_deterministic_and_bf16_valued():
+    a, b, c = ModelWeights.random(TINY, 3), ModelWeights.random(TINY, 3), ModelWeights.random(TINY, 4)
+    for name in ("layers.2.ffn.experts.1.w1.weight", "hc_head_fn", "layers.1.attn.wq_b.weight"):
+        assert np.array_equal(a.tensor(name), b.tensor(name))
+        assert not np.array_equal(a.tensor(name), c.tensor(name))
+        assert not (a.tensor(name).view(np.uint32) & 0xFFFF).any()
+    t = a.tensor("layers.0.ffn.gate.tid2eid")
+    assert t.min() >= 0 and t.max() < TINY.moe.n_routed_experts
+    assert all(len(set(row)) == row.size for row in t[:50])  # distinct experts per token
+
+
+def _save(weights: ModelWeights, path: Path, *, drop=(), override=None) -> None:
+    tensors = {n: weights.tensor(n).astype(ml_dtypes.bfloat16) if s.family == "float" else weights.tensor(n)
+               for n, s in weight_specs(TINY).items() if n not in drop}
+    tensors |= override or {}
+    tensors["mtp.0.unused.weight"] = np.zeros(2, np.float32)  # names the model does not read are ignored
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
+
+
+def test_safetensors_roundtrip_is_lazy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    ref = ModelWeights.random(TINY, 5)
+    ref.save_safetensors(tmp_path / "model.safetensors")
+    loaded_names: list[str] = []
+    real_load = mw._SafetensorsSource.load
+
+    def spy(self, name: str) -> np.ndarray:
+        loaded_names.append(name)
+        return real_load(self, name)
+
+    monkeypatch.setattr(mw._SafetensorsSource, "load", spy)
+    w = ModelWeights.from_safetensors(tmp_path, TINY)
+    assert loaded_names == []  # construction reads headers only
+    lw = w.layer(2)
+    assert loaded_names and all(n.startswith("layers.2.") for n in loaded_names)
+    np.testing.assert_array_equal(lw.moe.w1, np.stack([ref.tensor(f"layers.2.ffn.experts.{e}.w1.weight")
+                                                       for e in range(TINY.moe.n_routed_experts)]))
+    np.testing.assert_array_equal(lw.attn.wq_a, ref.layer(2).attn.wq_a)
+    np.testing.assert_array_equal(w.head().head, ref.head().head)
+
+
+def test_every_problem_reported_at_once(tmp_path: Path):
+    ref = ModelWeights.random(TINY, 6)
+    _save(ref, tmp_path / "bad.safetensors", drop=("layers.1.ffn.gate.bias", "norm.weight"),
+          override={"layers.3.ffn_norm.weight": np.ones(7, np.float32),
+                    "layers.0.ffn.gate.tid2eid": np.zeros((TINY.vocab_size, 2), np.float32),
+                    "head.weight": np.zeros((TINY.vocab_size, TINY.hidden_size), np.int8)})
+    with pytest.raises(ABIError) as err:
+        ModelWeights.from_safetensors(tmp_path / "bad.safetensors", TINY)
+    found = {(i.code, i.field) for i in err.value.issues}
+    assert found == {("array.missing", "layers.1.ffn.gate.bias"), ("array.missing", "norm.weight"),
+                     ("array.shape", "layers.3.ffn_norm.weight"), ("array.dtype", "layers.0.ffn.gate.tid2eid"),
+                     ("array.dtype", "head.weight")}
+
+
+def test_bad_tid2eid_values_rejected_when_the_layer_loads():
+    ref = ModelWeights.random(TINY, 7)
+    tensors = {n: ref.tensor(n) for n in weight_specs(TINY)}
+    tensors["layers.0.ffn.gate.tid2eid"] = np.full((TINY.vocab_size, 2), TINY.moe.n_routed_experts, np.int32)
+    w = ModelWeights.from_tensors(TINY, tensors)
+    with pytest.raises(ABIError, match="tid2eid"):
+        w.layer(0)
+    with pytest.raises(ABIError):
+        w.layer(TINY.num_layers)
+
+
+def test_missing_files_and_shared_layers():
+    with pytest.raises(ABIError):
+        ModelWeights.from_safetensors([], TINY)
+    w = ModelWeights.random(TINY, 0, share_layers=True)
+    one, three = w.layer(1), w.layer(3)  # both CSA, learned gate: the same arrays, own layer index
+    assert three.layer == 3 and three.attn.layer == 3 and three.moe.w1 is one.moe.w1

@@ -1,0 +1,70 @@
+"""TP 2 across two processes on torch.distributed (gloo) equals the single-process and in-process results.
+
+The case is upstream's ragged2: request 0 has 3 new tokens after 126 cached, request 1 has 4 after 30
+(N = 7, P = 8, L = 4), so request 1 crosses the rank boundary and one padding row sits at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dspark_abi import ABIError
+from dspark_kernels.forward import run_forward
+from dspark_kernels.tp import DistributedJob, launch, run_tp_inprocess
+
+from .conftest import Session
+
+#: See test_forward.REL_FP32 (measured <= 1e-6 between different batch geometries; 10x margin).
+REL_FP32 = 1e-5
+#: Generous bound on the whole two-process run (spawn + torch import + 4 TINY layers take ~10 s).
+LAUNCH_TIMEOUT_S = 120.0
+
+
+@pytest.mark.distributed
+def test_two_process_gloo_equals_single_process():
+    s = Session(tp=2)
+    ctx = s.batch([(0, 0, 126), (1, 0, 30)])  # fill the cached context by running the earlier tokens
+    run_forward(ctx, ctx.token_ids, s.weights, s.caches)
+    b = s.batch([(0, 126, 3), (1, 30, 4)])
+    assert b.query_start_loc.tolist() == [0, 3, 7] and b.padded_rows == 8
+    assert b.rank(0).local_request_ids.tolist() == [0, 0, 0, 1]
+    assert b.rank(1).local_request_ids.tolist() == [1, 1, 1, -1]
+
+    single_caches = s.caches.copy()
+    single = run_forward(b, b.token_ids, s.weights, single_caches)
+    threads = run_tp_inprocess(b, b.token_ids, s.weights, s.caches.copy())
+    procs = launch(DistributedJob(b, b.token_ids, s.weights, s.caches), backend="gloo", timeout=LAUNCH_TIMEOUT_S)
+
+    assert [p.rank for p in procs] == [0, 1]
+    scale = float(np.abs(single.hidden).max())
+    for p, t in zip(procs, threads, strict=True):
+        # same per-rank computation, real collectives instead of shared memory: bit-identical
+        np.testing.assert_array_equal(p.result.hidden, t.result.hidden)
+        np.testing.assert_array_equal(p.result.logits, t.result.logits)
+        for name, arr in p.caches.arrays().items():
+            np.testing.assert_array_equal(arr, t.caches.arrays()[name])
+        np.testing.assert_allclose(p.result.hidden, single.hidden, rtol=0, atol=REL_FP32 * scale)
+        np.testing.assert_allclose(p.result.logits, single.logits, rtol=0,
+                                   atol=REL_FP32 * float(np.abs(single.logits).max()))
+        assert p.result.sampled.tolist() == single.sampled.tolist()
+        assert p.result.logit_rows.tolist() == [2, 6]
+        assert not p.result.hidden[7].any()  # the padding row
+
+
+def test_torch_is_not_imported_by_the_forward_modules():
+    code = ("import sys; import dspark_kernels.tp, dspark_kernels.forward, dspark_kernels.model_weights, "
+            "dspark_kernels.model_caches; sys.exit(1 if 'torch' in sys.modules else 0)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+
+
+def test_inprocess_rank_failure_is_raised_not_hung():
+    s = Session(tp=2)
+    b = s.batch([(0, 0, 130), (1, 0, 3)])
+    with pytest.raises(ABIError):
+        run_tp_inprocess(b, b.token_ids, s.weights, s.caches, logit_rows=[999])
