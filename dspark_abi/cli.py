@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -183,6 +184,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if hasattr(signal, "SIGPIPE"):  # `dspark... | head` ends quietly, like other command-line tools
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = make_parser().parse_args(argv)
     try:
         return int(args.func(args))
