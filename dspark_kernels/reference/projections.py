@@ -1,0 +1,61 @@
+"""Query and shared-KV projections of an attention layer (reference-math 3, upstream-design 5.1).
+
+q path (query rows): ``qr = rms_norm(x @ wq_a.T, q_norm)`` [T, Q];
+``q = (qr @ wq_b.T).reshape(T, H, D)``, an unweighted per-head RMS norm, RoPE on the last rd dims at the
+token's position. In a2a3, ``qr`` is int8-quantised per row and ``q = (qr_i8 @ wq_b_i8) * qr_scale *
+wq_b_scale`` (exact integer product), and q is rounded to bf16 after RoPE. ``qr`` is reused by the indexer.
+
+kv path (all group rows): ``kv = rms_norm(x @ wkv.T, kv_norm)`` [T, D], RoPE on the last rd dims; bf16 in
+a2a3. This single latent is both key and value of every head.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from dspark_kernels.reference.numerics import Precision, int8_matmul, int8_quantize, linear, narrow, rms_norm
+from dspark_kernels.reference.prepared import PreparedWeights
+from dspark_kernels.reference.rope import apply_rope
+
+
+@attrs.frozen(eq=False)
+class LowRankQuery:
+    """The normalised low-rank query ``qr`` and, in a2a3, its per-row int8 form."""
+
+    qr: np.ndarray
+    """[T, Q] float32"""
+    qr_q: np.ndarray | None
+    """[T, Q] int8-valued float32 (a2a3) or None"""
+    qr_scale: np.ndarray | None
+    """[T] float32 dequant scale (a2a3) or None"""
+
+    def project(self, weight: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+        """``qr @ weight.T`` [T, out]; with int8 ``weight`` and ``scale`` [out], the a2a3 integer product."""
+        if scale is None or self.qr_q is None or self.qr_scale is None:
+            return linear(self.qr, weight)
+        return int8_matmul(self.qr_q, weight) * self.qr_scale[:, None] * scale[None, :]
+
+
+def low_rank_query(x: np.ndarray, w: PreparedWeights, eps: float, precision: Precision) -> LowRankQuery:
+    """``qr = rms_norm(x @ wq_a.T, q_norm)`` for query rows x [T, X]; quantised per row in a2a3."""
+    qr = rms_norm(linear(x, w.wq_a), w.q_norm, eps)                                     # (T, Q)
+    if precision == "fp32":
+        return LowRankQuery(qr, None, None)
+    qr_q, qr_scale = int8_quantize(qr)
+    return LowRankQuery(qr, qr_q, qr_scale)
+
+
+def query_heads(lrq: LowRankQuery, w: PreparedWeights, cos: np.ndarray, sin: np.ndarray, heads: int,
+                eps: float, precision: Precision) -> np.ndarray:
+    """q [T, H, D] float32: wq_b projection, unweighted per-head RMS norm, RoPE (cos/sin [T, rd/2])."""
+    q = lrq.project(w.wq_b, w.wq_b_scale)                                            # (T, H*D)
+    q = rms_norm(q.reshape(q.shape[0], heads, -1), None, eps)                        # (T, H, D)
+    return narrow(apply_rope(q, cos, sin, out=q), precision)
+
+
+def shared_kv(x: np.ndarray, w: PreparedWeights, cos: np.ndarray, sin: np.ndarray, eps: float,
+              precision: Precision) -> np.ndarray:
+    """kv [T, D] float32 (bf16 values in a2a3): ``rms_norm(x @ wkv.T, kv_norm)`` then RoPE."""
+    kv = rms_norm(linear(x, w.wkv), w.kv_norm, eps)                                     # (T, D)
+    return narrow(apply_rope(kv, cos, sin, out=kv), precision)

@@ -1,0 +1,65 @@
+"""RoPE frequencies (YaRN), tables, and the interleaved rotation."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dspark_abi.presets import DEMO, FLASH, TINY
+from dspark_kernels.reference.numerics import bf16_round
+from dspark_kernels.reference.rope import apply_rope, inverse_frequencies, rope_at, rope_table
+
+
+def test_flash_yarn_ramp():
+    """Compressed FLASH layers: pairs 0-15 keep omega, 25-31 get omega/16, 16-24 are blended."""
+    plain = 1.0 / 160000.0 ** (np.arange(0, 64, 2) / 64)
+    got = inverse_frequencies(FLASH, "csa")
+    np.testing.assert_allclose(got[:16], plain[:16], rtol=1e-6)
+    np.testing.assert_allclose(got[25:], plain[25:] / 16, rtol=1e-6)
+    ramp = (np.arange(16, 25) - 15) / 10  # low 15, high 25
+    np.testing.assert_allclose(got[16:25], plain[16:25] * (1 - ramp) + plain[16:25] / 16 * ramp, rtol=1e-6)
+    np.testing.assert_allclose(got[16] / plain[16], 0.90625, rtol=1e-6)
+
+
+def test_swa_and_no_yarn_profiles():
+    np.testing.assert_allclose(inverse_frequencies(FLASH, "swa"), 1.0 / 1e4 ** (np.arange(0, 64, 2) / 64), rtol=1e-6)
+    # DEMO: original_max_position_embeddings == 0 -> plain compress theta
+    np.testing.assert_allclose(inverse_frequencies(DEMO, "hca"), 1.0 / 4e4 ** (np.arange(0, 64, 2) / 64), rtol=1e-6)
+
+
+def test_tables_and_bf16_gather():
+    cos, _sin = rope_table(TINY, "csa")
+    assert cos.shape == (TINY.max_position_embeddings, 32) and not cos.flags.writeable
+    c, s = rope_at(TINY, "csa", np.array([0, 5, 4095]), "a2a3")
+    np.testing.assert_array_equal(c[0], 1.0)
+    np.testing.assert_allclose(c[1], cos[5], rtol=2**-8)
+    np.testing.assert_array_equal(bf16_round(s), s)
+
+
+def test_rotation_against_complex_loop():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 2, 10), dtype=np.float32)  # 4 nope dims + 3 interleaved pairs
+    ang = rng.uniform(-3, 3, (3, 3)).astype(np.float32)
+    out = apply_rope(x, np.cos(ang), np.sin(ang))
+    for t in range(3):
+        for h in range(2):
+            np.testing.assert_array_equal(out[t, h, :4], x[t, h, :4])
+            for i in range(3):
+                z = complex(x[t, h, 4 + 2 * i], x[t, h, 5 + 2 * i]) * np.exp(1j * float(ang[t, i]))
+                np.testing.assert_allclose(out[t, h, 4 + 2 * i: 6 + 2 * i], [z.real, z.imag], rtol=1e-5, atol=1e-6)
+
+
+@given(st.integers(0, 4095), st.integers(0, 4095))
+def test_inverse_and_relative_position(p1, p2):
+    rng = np.random.default_rng(p1 * 4096 + p2)
+    q, k = rng.standard_normal((2, 1, 128), dtype=np.float32)
+    cq, sq = rope_at(TINY, "csa", np.array([p1]))
+    ck, sk = rope_at(TINY, "csa", np.array([p2]))
+    np.testing.assert_allclose(apply_rope(apply_rope(q, cq, sq), cq, sq, inverse=True), q, atol=1e-5)
+    # <R(p1) q, R(p2) k> depends on p1 - p2 only: compare against shifting both to (p1 - p2, 0)
+    d = p1 - p2
+    c0, s0 = rope_at(TINY, "csa", np.array([abs(d)]))
+    lhs = float((apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum())
+    q2, k2 = (apply_rope(q, c0, s0), k) if d >= 0 else (q, apply_rope(k, c0, s0))
+    np.testing.assert_allclose(lhs, float((q2 * k2).sum()), atol=5e-3)
