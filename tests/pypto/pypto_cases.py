@@ -57,3 +57,49 @@ def unwritten_output() -> None:
         pypto.assemble(pypto.add(x, 1.0), [0, 0], out)
 
     launch(half, [np.zeros((8, 16), np.float32), Out((16, 16), np.float32, "out")])
+
+
+def sparse_attention_many(cases: list[tuple]) -> list[np.ndarray]:
+    """Per (q, window_rows, cmp_rows, ori, cmp, sink, cos, sin, scale, key_tile): the kernel's o as float32."""
+    from dspark_kernels.pypto.sparse_attention import run_sparse_attention
+
+    return [run_sparse_attention(q, win, cmp_rows, ori, cmp, sink, cos, sin, scale=scale, tile=tile).values[-1]
+            .astype(np.float32) for q, win, cmp_rows, ori, cmp, sink, cos, sin, scale, tile in cases]
+
+
+def entry_rows_many(cases: list[tuple]) -> list[np.ndarray]:
+    """Per (positions, request_ids, table, entries or None, ratio, columns): physical rows [T, K] int32."""
+    from dspark_kernels.pypto.paged import run_entry_rows
+
+    return [run_entry_rows(pos, req, table, entries, ratio=ratio, columns=columns).values[-1]
+            for pos, req, table, entries, ratio, columns in cases]
+
+
+def compress_many(cases: list[tuple]) -> list[tuple]:
+    """Per compress_into argument tuple (x, positions, request, slots, table, state, weights, cos, sin, page,
+    eps, hadamard): (boundary rows, outputs, state pool after the call)."""
+    from dspark_kernels.pypto.compressor import compress_into
+
+    out = []
+    for x, pos, req, slots, table, state, weights, cos, sin, page, eps, hadamard in cases:
+        state = state.copy()
+        b, values = compress_into(x, pos, req, slots, table, state, weights, cos, sin, page_size=page, eps=eps,
+                                  hadamard=hadamard)
+        out.append((b, values, state))
+    return out
+
+
+def indexer_many(cases: list[tuple]) -> list[np.ndarray]:
+    """Per (positions, request, idx_table, lrq_q, lrq_scale, prepared weights, x, cos, sin, idx, idx_scale, heads,
+    topk, weight_scale): candidates through the entry-rows kernel, then the indexer kernel's top-k [T, k]."""
+    from dspark_kernels.pypto.indexer import run_indexer
+    from dspark_kernels.pypto.paged import run_entry_rows
+
+    out = []
+    for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale in cases:
+        columns = max(1, int(np.where(req >= 0, (pos + 1) // 4, 0).max()))
+        candidates = run_entry_rows(pos, req, table, None, ratio=4, columns=columns).values[-1]
+        out.append(run_indexer(qr_q, qr_scale, w.idx_wq_b, w.idx_wq_b_scale, x, w.idx_weights_proj, cos, sin,
+                               w.idx_hadamard, idx, idx_scale, candidates, heads=heads, topk=topk,
+                               weight_scale=weight_scale).values[-1])
+    return out
