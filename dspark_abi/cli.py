@@ -183,15 +183,20 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse, run the chosen subcommand, print ABI errors to stderr with exit code 1."""
     if hasattr(signal, "SIGPIPE"):  # `dspark... | head` ends quietly, like other command-line tools
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = make_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except ABIError as exc:
         print(str(exc), file=sys.stderr)
         return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(make_parser(), argv)
 
 
 if __name__ == "__main__":

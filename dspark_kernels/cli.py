@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_abi import ABIError, BatchBuilder, BlockAllocator, ModelConfig, PaddingPolicy
+from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
-from dspark_abi.cli import parse_request
+from dspark_abi.cli import parse_request, run_cli
 from dspark_abi.presets import PRESETS, get_preset
 from dspark_kernels.model_caches import ModelCaches
 from dspark_kernels.model_weights import ModelWeights
@@ -164,14 +163,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if hasattr(signal, "SIGPIPE"):  # `dspark... | head` ends quietly, like other command-line tools
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = make_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except ABIError as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
+    return run_cli(make_parser(), argv)
 
 
 if __name__ == "__main__":

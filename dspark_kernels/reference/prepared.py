@@ -18,23 +18,8 @@ import numpy as np
 from dspark_kernels.reference.numerics import Precision, check_precision, hadamard, int8_quantize, narrow
 from dspark_kernels.reference.weights import AttentionWeights, CompressorWeights
 
-
-@attrs.frozen(eq=False)
-class PreparedCompressor:
-    """``wkv``, ``wgate`` [coff*d, X], ``ape`` [m, coff*d] (fp32), ``norm`` [d]."""
-
-    wkv: np.ndarray
-    wgate: np.ndarray
-    ape: np.ndarray
-    norm: np.ndarray
-
-    @property
-    def ratio(self) -> int:
-        return int(self.ape.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.norm.shape[0])
+#: A compressor's arrays in one precision: the same fields as the checkpoint's, with narrowed weights.
+PreparedCompressor = CompressorWeights
 
 
 @attrs.frozen(eq=False)
