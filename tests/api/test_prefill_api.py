@@ -120,3 +120,50 @@ def test_same_result_twice_from_same_state(weights):
     a = prefill(batch, batch.token_ids, weights, caches)
     b = prefill(batch, batch.token_ids, weights, copy)
     np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_pool_exhaustion_mid_run_leaves_caches_and_tables_intact(weights):
+    """A serving loop whose pools run out on the second chunk: the step is refused before any kernel runs,
+    caches keep exactly the first chunk's rows, and after freeing a finished request the step succeeds with
+    the same result as a run with roomy pools."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, TINY.vocab_size, 80)
+    other = rng.integers(0, TINY.vocab_size, 60)
+
+    def step(builder, caches, rid, cached, ids):
+        builder.add(rid, num_cached=cached, num_new=len(ids), token_ids=ids)
+        batch = builder.build()
+        return prefill(batch, batch.token_ids, weights, caches)
+
+    roomy = BlockAllocator(TINY, pool_blocks_for(TINY, [80, 60], slack=64))
+    roomy_caches = ModelCaches.allocate(TINY, roomy.pool_blocks)
+    b = BatchBuilder(TINY, PaddingPolicy(), roomy)
+    step(b, roomy_caches, 1, 0, other)
+    step(b, roomy_caches, 0, 0, prompt[:40])
+    expected = step(b, roomy_caches, 0, 40, prompt[40:])
+
+    tight = BlockAllocator(TINY, roomy.pool_blocks)            # same sizes ...
+    caches = ModelCaches.allocate(TINY, tight.pool_blocks)
+    b = BatchBuilder(TINY, PaddingPolicy(), tight)
+    step(b, caches, 1, 0, other)
+    step(b, caches, 0, 0, prompt[:40])
+    hog = BatchBuilder(TINY, PaddingPolicy(), tight)           # ... but a third request takes what is left
+    hog.add(2, num_cached=0, num_new=1)
+    while True:
+        try:
+            hog.build()
+        except ABIError:
+            break
+        hog.add(2, num_cached=tight.cached_tokens(2), num_new=16)
+    before = _state(caches)
+    free_before = {p: tight.free_blocks(p) for p in ("ori", "csa_cmp", "hca_cmp", "idx", "csa_state")}
+    with pytest.raises(ABIError) as err:
+        step(b, caches, 0, 40, prompt[40:])
+    assert "alloc.exhausted" in err.value.codes
+    _assert_unchanged(caches, before)
+    assert {p: tight.free_blocks(p) for p in free_before} == free_before
+    assert tight.cached_tokens(0) == 40
+    tight.release(2)                                           # the finished request frees its blocks
+    b.clear()
+    result = step(b, caches, 0, 40, prompt[40:])
+    np.testing.assert_array_equal(result.hidden, expected.hidden)  # physical blocks never change the math
