@@ -21,9 +21,9 @@ from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.cli import parse_request, run_cli
 from dspark_abi.presets import PRESETS, get_preset
+from dspark_kernels.api import prefill
 from dspark_kernels.model_caches import ModelCaches
 from dspark_kernels.model_weights import ModelWeights
-from dspark_kernels.prefill import prefill
 
 
 class LayerProgress:

@@ -1,7 +1,7 @@
 """Multi-layer forward over a packed batch: embedding, the config's layer schedule, hc_head, final norm, LM head.
 
-``run_forward`` does not validate the batch (``dspark_kernels.prefill`` does that first); it does check, before
-anything is read or written, that weights, caches, input rows, layers, logit rows and the rank fit the batch.
+``run_forward`` does not validate the batch (``dspark_kernels.prefill`` does that first); it does check,
+before anything is read or written, that weights, caches, input rows, layers, logit rows and the rank fit the batch.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ any error (including a backend failing half-way), and returns per-request views.
 import numpy as np
 import pytest
 
-import dspark_kernels.prefill as prefill_module
+import dspark_kernels.api as prefill_module
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.presets import FLASH, TINY
+from dspark_kernels.api import prefill
 from dspark_kernels.model_caches import ModelCaches
 from dspark_kernels.model_weights import ModelWeights
-from dspark_kernels.prefill import prefill
 
 
 @pytest.fixture(scope="module")
