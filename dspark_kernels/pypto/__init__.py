@@ -1,7 +1,8 @@
 """pypto kernels for the prefill stages, targeting Ascend A2/A3 (``backend="pypto"``).
 
 Importing this package does not import torch or pypto; the kernel modules (``lowering``, ``projections``,
-``paged``, ``o_proj``) and ``runtime`` do. See ``docs/pypto.md``.
+``paged``, ``compressor``, ``indexer``, ``sparse_attention``, ``o_proj``) and ``runtime`` do.
+See ``docs/pypto.md``.
 """
 
 from dspark_kernels.pypto.attention import attention_pypto

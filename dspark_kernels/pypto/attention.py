@@ -1,15 +1,16 @@
 """`attention_pypto`: one attention layer over a packed batch with the pypto kernels (the ``pypto`` backend).
 
 Same contract as :func:`dspark_kernels.reference.attention.attention` with ``precision="a2a3"`` (the
-numerics the kernels implement): same arguments, same output, same in-place cache updates. Stages run
-through pypto where a kernel exists, the rest through the reference:
+numerics the kernels implement): same arguments, same output, same in-place cache updates. Every stage
+runs through a pypto kernel; the host only prepares metadata (RoPE rows, the compressor boundary rows,
+static row / column counts) and moves arrays between calls:
 
 =====================================================  =========================
 stage                                                  backend
 =====================================================  =========================
 local request ids of the query rows (stage 1)          pypto ``lowering``
 shared kv (all P rows) and q path (query rows) (2)     pypto ``projections``
-``ori`` write and compressed-entry writes (3)          pypto ``paged.scatter``
+``ori``, state, compressed and idx writes (3)          pypto ``paged.scatter``
 window rows through the request's ori table (3)        pypto ``paged.window``
 compressors ratio 4 / 128, state rings (4)             pypto ``compressor`` (+ ``paged.scatter``)
 indexer compressor: Hadamard, int8 idx cache (5)       pypto ``compressor`` (+ ``paged.scatter``)

@@ -35,7 +35,11 @@ def _tile(n: int, cap: int) -> int:
 @lru_cache(maxsize=16)
 def o_proj_kernel(rows: int, groups: int, group_in: int, rank: int, hidden: int) -> Any:
     """The jit kernel for one geometry (see the module docstring for the argument contract)."""
-    tm, tk, tn = _tile(rows, 128), _tile(group_in, 128), _tile(max(rank, hidden), 128)  # L0B: tk*tn*2 B <= 64 KB
+    # L0A/L0B hold 64 KB: tk * tn * 2 B <= 64 KB. Cost model at FLASH sizes (L = 128): 874k cycles with 128^3
+    # tiles and (tm, 64) vector tiles, 449k with a 1024-deep K panel in L1 and (64, 128) vector tiles, 421k
+    # with 256-deep K steps as well (roofline 143k: the weights' bytes).
+    tm, tk, tn = _tile(rows, 128), _tile(group_in, 256), _tile(max(rank, hidden), 128)
+    tk_l1 = _tile(group_in, 1024)
 
     @kernel
     def o_proj(attn: pypto.Tensor([rows, groups * group_in], pypto.DT_BF16),
@@ -43,8 +47,8 @@ def o_proj_kernel(rows: int, groups: int, group_in: int, rank: int, hidden: int)
                wo_b: pypto.Tensor([hidden, groups * rank], pypto.DT_INT8),
                wo_b_scale: pypto.Tensor([1, hidden], pypto.DT_FP32),
                out: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
-        pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
-        pypto.set_vec_tile_shapes(tm, 64)
+        pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
+        pypto.set_vec_tile_shapes(64, 128)
         acc = pypto.full([rows, hidden], 0.0, pypto.DT_FP32)
         for g in range(groups):  # static: unrolled while tracing
             x_g = pypto.view(attn, [rows, group_in], [0, g * group_in])

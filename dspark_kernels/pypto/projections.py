@@ -29,6 +29,14 @@ from dspark_kernels.pypto.o_proj import _tile
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 BF16 = ml_dtypes.bfloat16
+#: Tiles chosen with the cost model (benchmarks/bench_pypto.py, FLASH sizes, P = 512): the shared kv kernel
+#: costs 262k cycles with 128^3 cube tiles and (16, 64) vector tiles, 187k with a 1024-deep K panel in L1
+#: (A and B reused across the K loop), 125k with (64, 128) vector tiles as well, 124k with 256-deep K steps
+#: (roofline 11.8k). The q path (L = 128): 1380k -> 706k (same choices) -> 636k with (4, 16, 128) tiles on
+#: [T, H, D] -> 628k with 256-deep K steps (roofline 67k). Bigger M/N tiles or split-K did not help.
+K_L0_CAP = 256
+K_L1_CAP = 1024
+VEC_ROWS = 64
 
 
 def rope_heads(v: Any, cos: Any, sin: Any, rows: int, heads: int, dim: int, rope: int, *, inverse: bool = False
@@ -44,7 +52,8 @@ def rope_heads(v: Any, cos: Any, sin: Any, rows: int, heads: int, dim: int, rope
 @lru_cache(maxsize=16)
 def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope: int, eps: float) -> Any:
     """The q-path jit kernel for one geometry."""
-    tm, tk, tn = _tile(rows, 128), _tile(max(hidden, q_rank), 128), _tile(q_rank, 128)
+    tm, tk, tn = _tile(rows, 128), _tile(max(hidden, q_rank), K_L0_CAP), _tile(q_rank, 128)
+    tk_l1 = _tile(max(hidden, q_rank), K_L1_CAP)
 
     @kernel
     def query(x: pypto.Tensor([rows, hidden], pypto.DT_BF16), wq_a: pypto.Tensor([q_rank, hidden], pypto.DT_BF16),
@@ -55,8 +64,8 @@ def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope
               q: pypto.Tensor([rows, heads, dim], pypto.DT_BF16), qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
               qr_scale: pypto.Tensor([rows, 1], pypto.DT_FP32)):
         _sizes = (rows, hidden, q_rank, heads, dim, rope)  # closure capture: the annotations read these
-        pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
-        pypto.set_vec_tile_shapes(16, 64)
+        pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
+        pypto.set_vec_tile_shapes(VEC_ROWS, 128)
         qr = rms_norm(pypto.matmul(x, wq_a, pypto.DT_FP32, b_trans=True), q_norm, eps)     # [T, Q]
         qr_i8, qr_dq = int8_rows(qr)
         wide = pypto.cast(pypto.matmul(qr_i8, wq_b, pypto.DT_INT32, b_trans=True), pypto.DT_FP32)  # [T, H*D]
@@ -64,7 +73,7 @@ def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope
         # storing into an output hands the tensor over, so outputs are written after their last use
         qr_q[:] = qr_i8
         qr_scale[:] = qr_dq
-        pypto.set_vec_tile_shapes(8, 4, 64)
+        pypto.set_vec_tile_shapes(4, 16, 128)
         heads3 = rms_norm(pypto.reshape(wide, [rows, heads, dim]), None, eps)               # [T, H, D]
         nope, roped = rope_heads(heads3, cos, sin, rows, heads, dim, rope)
         pypto.assemble(pypto.cast(nope, pypto.DT_BF16), [0, 0, 0], q)
@@ -76,7 +85,8 @@ def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope
 @lru_cache(maxsize=16)
 def shared_kv_kernel(rows: int, hidden: int, dim: int, rope: int, eps: float) -> Any:
     """The kv-path jit kernel for one geometry."""
-    tm, tk, tn = _tile(rows, 128), _tile(hidden, 128), _tile(dim, 128)
+    tm, tk, tn = _tile(rows, 128), _tile(hidden, K_L0_CAP), _tile(dim, 128)
+    tk_l1 = _tile(hidden, K_L1_CAP)
 
     @kernel
     def shared_kv(x: pypto.Tensor([rows, hidden], pypto.DT_BF16), wkv: pypto.Tensor([dim, hidden], pypto.DT_BF16),
@@ -85,10 +95,10 @@ def shared_kv_kernel(rows: int, hidden: int, dim: int, rope: int, eps: float) ->
                   sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
                   kv: pypto.Tensor([rows, 1, dim], pypto.DT_BF16)):
         _sizes = (rows, hidden, dim, rope)  # closure capture: the annotations read these
-        pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
-        pypto.set_vec_tile_shapes(16, 64)
+        pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
+        pypto.set_vec_tile_shapes(VEC_ROWS, 128)
         latent = rms_norm(pypto.matmul(x, wkv, pypto.DT_FP32, b_trans=True), kv_norm, eps)  # [P, D]
-        pypto.set_vec_tile_shapes(16, 1, 64)
+        pypto.set_vec_tile_shapes(VEC_ROWS, 1, 128)
         nope, roped = rope_heads(pypto.reshape(latent, [rows, 1, dim]), cos, sin, rows, 1, dim, rope)
         pypto.assemble(pypto.cast(nope, pypto.DT_BF16), [0, 0, 0], kv)
         pypto.assemble(pypto.cast(roped, pypto.DT_BF16), [0, 0, dim - rope], kv)

@@ -24,6 +24,7 @@ import atexit
 import ctypes
 import fcntl
 import importlib.metadata
+import importlib.util
 import os
 import re
 import shutil
@@ -90,8 +91,32 @@ def _redirect_scratch() -> Path:
     return scratch
 
 
+def _skip_swimlane_scripts(scratch: Path) -> None:
+    """Put a ``python3`` first on PATH that skips pypto's swim-lane scripts and runs everything else.
+
+    Every SIM call runs ``python3 <pypto>/lib/scripts/{print,draw}_swim_lane.py`` through the shell (trace
+    pictures only; the cycle count comes from the simulator's own report). On large kernels they take minutes
+    and gigabytes (the FLASH sparse-attention kernel: over 3 minutes and 4.4 GB). ``DSPARK_PYPTO_SWIMLANE=1``
+    keeps them.
+    """
+    if os.environ.get("DSPARK_PYPTO_SWIMLANE", "") == "1":
+        return
+    real = shutil.which("python3")
+    if real is None:
+        return
+    spec = importlib.util.find_spec("pypto")
+    scripts = str(Path(spec.origin).parent / "lib" / "scripts") if spec and spec.origin else "/nonexistent"
+    shim_dir = scratch / "bin"
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    shim = shim_dir / "python3"
+    shim.write_text(f'#!/bin/sh\ncase "$1" in "{scripts}"/*) exit 0 ;; esac\nexec "{real}" "$@"\n')
+    shim.chmod(0o755)
+    os.environ["PATH"] = f"{shim_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 _check_installation()
 SCRATCH = _redirect_scratch()
+_skip_swimlane_scripts(SCRATCH)
 
 import pypto  # noqa: E402
 import torch  # noqa: E402  (pypto needs torch imported first)

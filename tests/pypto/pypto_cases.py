@@ -91,15 +91,15 @@ def compress_many(cases: list[tuple]) -> list[tuple]:
 
 def indexer_many(cases: list[tuple]) -> list[np.ndarray]:
     """Per (positions, request, idx_table, lrq_q, lrq_scale, prepared weights, x, cos, sin, idx, idx_scale, heads,
-    topk, weight_scale): candidates through the entry-rows kernel, then the indexer kernel's top-k [T, k]."""
+    topk, weight_scale, rounds): candidates through the entry-rows kernel, then the indexer's top-k [T, k]."""
     from dspark_kernels.pypto.indexer import run_indexer
     from dspark_kernels.pypto.paged import run_entry_rows
 
     out = []
-    for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale in cases:
+    for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale, rounds in cases:
         columns = max(1, int(np.where(req >= 0, (pos + 1) // 4, 0).max()))
         candidates = run_entry_rows(pos, req, table, None, ratio=4, columns=columns).values[-1]
         out.append(run_indexer(qr_q, qr_scale, w.idx_wq_b, w.idx_wq_b_scale, x, w.idx_weights_proj, cos, sin,
                                w.idx_hadamard, idx, idx_scale, candidates, heads=heads, topk=topk,
-                               weight_scale=weight_scale).values[-1])
+                               weight_scale=weight_scale, rounds=rounds).values[-1])
     return out

@@ -1,15 +1,17 @@
-"""A whole CSA and a whole HCA layer through the pypto backend match the reference backend (a2a3).
+"""Whole CSA and HCA layers (and an SWA layer) through the pypto backend match the reference backend (a2a3).
 
 Every stage of these layers runs through pypto (docs/pypto.md, "What runs where"). Fixture: ``compressor_batch``
 (TP 2, ratio-4 and ratio-128 boundaries inside the chunk whose new entries later rows of the same chunk see,
 windows continued from the previous chunk's state ring, a request crossing the rank boundary, a padding row),
 caches with random history so that window, compressed, idx and state reads carry data.
 
-Tolerances from the measured distribution (docs/pypto.md): the attention core's online softmax rounds its
-probabilities against each key tile's running maximum (the reference: the global maximum), which moves o by up
-to 2**-7 and the layer output by up to 2**-9 (measured, |out| <= 1.9, mean |err| <= 2.2e-4). Caches: the pypto
-writes copy kernel values; fp32 states differ by the matmul accumulation order (<= 4.8e-7), bf16/int8 entries
-computed from them may flip one rounding step.
+Tolerances from the measured distribution (docs/pypto.md, 3 seeds x CSA/HCA x group/rank 1): with the default
+key tile every TINY key set fits one softmax pass, and the layer output matched bit for bit in 8 of 12 cases;
+otherwise one bf16 flip of o (or of kv) moves an int8 activation of o_proj by one step, which moves up to 21 %
+of a rank's outputs by <= 2**-8 (mean |err| <= 2.2e-4). With several online-softmax steps per query (the
+probabilities then round against each tile's running maximum) the measured worst case was 2**-7. Caches:
+fp32 states may differ by the matmul accumulation order (<= 4.8e-7 measured), bf16/int8 entries computed from
+them by one rounding step.
 """
 
 import numpy as np
@@ -23,8 +25,9 @@ from dspark_kernels.reference.weights import AttentionWeights
 
 pytestmark = pytest.mark.pypto
 
-#: Layer output: 4x the worst measured |err| (2**-9), and a mean bound far below a systematic error (>= 1e-2).
-LAYER_ATOL, LAYER_MEAN_ATOL = 2.0**-7, 1e-3
+#: Layer output: the worst measured |err| is 2**-7 (one bf16 step of |out| in [1, 2)); allow two steps, and a
+#: mean bound far below a systematic error (>= 1e-2; measured mean <= 2.7e-4).
+LAYER_ATOL, LAYER_RTOL, LAYER_MEAN_ATOL = 2.0**-6, 2.0**-7, 1e-3
 #: fp32 state rows (accumulation order); bf16 pools one step; int8 idx one step; idx scales one fp32 rounding.
 STATE_RTOL, STATE_ATOL = 1e-5, 1e-5
 BF16_RTOL, BF16_ATOL = 2.0**-7, 1e-6
@@ -47,8 +50,8 @@ def _check_caches(got: LayerCaches, want: LayerCaches) -> None:
         assert np.mean(g != w) <= MAX_DIFFERING_FRACTION, name
 
 
-@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
-@pytest.mark.parametrize("rank", [None, 1], ids=["group", "rank1"])
+@pytest.mark.parametrize(("layer", "rank"), [(1, None), (1, 1), (2, None), (2, 1), (0, None)],
+                         ids=["csa-group", "csa-rank1", "hca-group", "hca-rank1", "swa-group"])
 def test_layer_matches_reference_backend(layer, rank):
     batch = compressor_batch()
     rng = np.random.default_rng(SEED + layer)
@@ -60,7 +63,7 @@ def test_layer_matches_reference_backend(layer, rank):
     want = attention(batch, layer, x, weights, ref_caches, precision="a2a3", rank=rank)
     got = attention_pypto(batch, layer, x, weights, caches, rank=rank)
     assert got.shape == want.shape and np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, rtol=0, atol=LAYER_ATOL)
+    np.testing.assert_allclose(got, want, rtol=LAYER_RTOL, atol=LAYER_ATOL)
     assert np.abs(got - want).mean() <= LAYER_MEAN_ATOL
     rows = slice(None) if rank is None else slice(rank * batch.local_rows, (rank + 1) * batch.local_rows)
     np.testing.assert_array_equal(got[batch.row_request[rows] < 0], 0.0)  # padding rows

@@ -1,0 +1,244 @@
+"""Stage 4 (and the indexer's key compressor of stage 5): compressors ratio 4 and 128 (upstream 5.4, 5.5, 5.8).
+
+Three steps, each a kernel; every write happens through a slot mapping:
+
+1. ``state_rows_kernel`` (all P group rows): ``[kv | score]`` rows, ``kv = x @ wkv.T`` and
+   ``score = x @ wgate.T + ape[p % m]`` (bf16 inputs, fp32 accumulation). They go to the state ring through
+   the state slot mapping with the stage-3 scatter kernel (``paged.run_scatter``; -1 = no write).
+2. ``pool_kernel`` (the B boundary rows, ``(p + 1) % m == 0``; the host lists them from the positions, the
+   same metadata the slot mappings are built from): each row reads its window back from the ring **by
+   absolute position** through its request's state table, so a window begun in an earlier chunk continues
+   from the state the previous call wrote. Ratio 4 reads 8 slots (the A halves of the previous window
+   p-7..p-4, the B halves of the current p-3..p; a missing slot, e.g. before position 0 or on an unmapped
+   page, is excluded); ratio 128 reads the 128 slots p-127..p. Per channel,
+   ``pooled = sum_s softmax_s(score) * kv``, then ``rms_norm(pooled, norm)`` and RoPE on the last rd dims at
+   the window start ``p + 1 - m``; bf16.
+   The indexer variant (``hadamard`` given) continues: ``z = bf16(bf16(y) @ hadamard)`` and ``int8q(z)``.
+3. The entries go to ``csa_cmp`` / ``hca_cmp`` (or ``idx`` + ``idx_scale``) through the compressed slot
+   mapping of the boundary rows, with the scatter kernel again.
+
+``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R requests; width = state
+table width; all shapes static per call): ``positions``, ``request_ids`` [B, 1] int32; ``state_table``
+[R * width] int32 flattened; ``state`` [S, 2*coff*d] fp32 (after step 1); ``norm`` [1, d] fp32 (bf16 values);
+``cos``, ``sin`` [B, rd/2] bf16 at the window start; out ``entries`` [B, d] bf16, or with ``hadamard``
+[d, d] bf16 in: out ``idx`` [B, d] int8 and ``idx_scale`` [B, 1] fp32.
+"""
+
+# No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
+from functools import lru_cache
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from dspark_kernels.pypto._ops import int8_rows, rms_norm
+from dspark_kernels.pypto.o_proj import _tile
+from dspark_kernels.pypto.projections import rope_heads
+from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
+
+BF16 = ml_dtypes.bfloat16
+#: Ratio of the overlapping (CSA) compressor: 8 slots, previous and current window.
+OVERLAP_RATIO = 4
+#: Vector tiles (boundary rows, slots, channels) of the gathered windows [B, slots, d] per ratio. Cost model
+#: at P = 512: ratio 4 585k cycles with (1, 8, 128), 492k with (4, 8, 128), 509k with (8, 8, 128); ratio 128
+#: (4 boundary rows) 313k with (1, 8, 128), 331k with (4, 8, 128).
+POOL_TILES = {4: (4, 8, 128), 128: (1, 8, 128)}
+#: Masked score: below every real score and finite (a row whose slots are all missing pools to 0).
+MASKED_SCORE = -1e30
+
+
+@lru_cache(maxsize=16)
+def state_rows_kernel(rows: int, hidden: int, width: int, ratio: int) -> Any:
+    """``[kv | score]`` [P, 2*width] fp32 of every group row (``width`` = coff * d)."""
+    tm, tk, tn = _tile(rows, 128), _tile(hidden, 128), _tile(width, 128)
+
+    @kernel
+    def state_rows(x: pypto.Tensor([rows, hidden], pypto.DT_BF16), wkv: pypto.Tensor([width, hidden], pypto.DT_BF16),
+                   wgate: pypto.Tensor([width, hidden], pypto.DT_BF16),
+                   ape: pypto.Tensor([ratio, width], pypto.DT_FP32), positions: pypto.Tensor([rows], pypto.DT_INT32),
+                   out: pypto.Tensor([rows, 2 * width], pypto.DT_FP32)):
+        _sizes = (rows, hidden, width, ratio)  # closure capture: the annotations read these
+        pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
+        pypto.set_vec_tile_shapes(rows)
+        p = pypto.cast(positions, pypto.DT_FP32)
+        phase = pypto.cast(pypto.sub(p, pypto.mul(pypto.floor(pypto.mul(p, 1.0 / ratio)), float(ratio))),
+                           pypto.DT_INT32)                                                  # p % m (m a power of 2)
+        pypto.set_vec_tile_shapes(16, 128)
+        kv = pypto.matmul(x, wkv, pypto.DT_FP32, b_trans=True)                                # [P, coff*d]
+        score = pypto.add(pypto.matmul(x, wgate, pypto.DT_FP32, b_trans=True), pypto.index_select(ape, 0, phase))
+        pypto.assemble(kv, [0, 0], out)
+        pypto.assemble(score, [0, width], out)
+
+    return state_rows
+
+
+def _window_state_rows(positions: Any, request_ids: Any, table: Any, span: int, width: int, page: int) -> Any:
+    """[B, span] fp32 physical state rows of positions p-span+1..p through each row's table; -1 = missing."""
+    rows = positions.shape[0]
+    pypto.set_vec_tile_shapes(span)
+    column = pypto.reshape(pypto.cast(pypto.arange(span), pypto.DT_FP32), [1, span])
+    pypto.set_vec_tile_shapes(16, span)
+    k = pypto.expand_clone(column, [rows, span])
+    start = pypto.expand_clone(pypto.cast(pypto.sub(positions, span - 1), pypto.DT_FP32), [rows, span])
+    slot_pos = pypto.add(start, k)                                                             # p - span + 1 + k
+    logical_page = pypto.floor(pypto.mul(slot_pos, 1.0 / page))
+    offset = pypto.sub(slot_pos, pypto.mul(logical_page, float(page)))
+    request = pypto.expand_clone(pypto.cast(request_ids, pypto.DT_FP32), [rows, span])
+    live = pypto.logical_and(pypto.logical_and(pypto.ge(slot_pos, 0.0), pypto.ge(request, 0.0)),
+                             pypto.lt(logical_page, float(width)))
+    entry = pypto.where(live, pypto.add(pypto.mul(request, float(width)), logical_page), 0.0)
+    flat = pypto.reshape(pypto.cast(entry, pypto.DT_INT32), [rows * span])
+    block = pypto.cast(pypto.reshape(pypto.index_select(table, 0, flat), [rows, span]), pypto.DT_FP32)
+    mapped = pypto.logical_and(live, pypto.ge(block, 0.0))
+    return pypto.where(mapped, pypto.add(pypto.mul(block, float(page)), offset), -1.0)
+
+
+def _pooled(state: Any, rows_f: Any, ratio: int, dim: int) -> Any:
+    """Per-channel softmax pooling of the gathered window: [B, d] fp32."""
+    b, span = rows_f.shape
+    present = pypto.ge(rows_f, 0.0)
+    safe = pypto.cast(pypto.where(present, rows_f, 0.0), pypto.DT_INT32)
+    live = pypto.where(present, 1.0, 0.0)                                                     # [B, span]
+    tile = POOL_TILES.get(ratio, POOL_TILES[OVERLAP_RATIO])
+    pypto.set_vec_tile_shapes(tile[0], min(span, tile[1]), tile[2])
+    slots = pypto.index_select(state, 0, safe)                                                 # [B, span, 2*coff*d]
+    if ratio == OVERLAP_RATIO:
+        half = span // 2  # previous window -> A halves, current window -> B halves
+        kv = pypto.concat([pypto.view(slots, [b, half, dim], [0, 0, 0]),
+                           pypto.view(slots, [b, half, dim], [0, half, dim])], 1)
+        score = pypto.concat([pypto.view(slots, [b, half, dim], [0, 0, 2 * dim]),
+                              pypto.view(slots, [b, half, dim], [0, half, 3 * dim])], 1)
+    else:
+        kv = pypto.view(slots, [b, span, dim], [0, 0, 0])
+        score = pypto.view(slots, [b, span, dim], [0, 0, dim])
+    live3 = pypto.expand_clone(pypto.reshape(live, [b, span, 1]), [b, span, dim])
+    score = pypto.where(pypto.gt(live3, 0.0), score, MASKED_SCORE)
+    top = pypto.amax(score, 1, keepdim=True)                                                   # [B, 1, d]
+    e = pypto.mul(pypto.exp(pypto.sub(score, top)), live3)
+    total = pypto.maximum(pypto.sum(e, 1, keepdim=True), float(np.finfo(np.float32).tiny))
+    pooled = pypto.sum(pypto.mul(pypto.div(e, total), kv), 1, keepdim=True)                   # [B, 1, d]
+    return pypto.reshape(pooled, [b, dim])
+
+
+@lru_cache(maxsize=16)
+def pool_kernel(rows: int, requests: int, width: int, state_rows_n: int, dim: int, ratio: int, page: int,
+                rope: int, eps: float, indexer: bool) -> Any:
+    """Window pooling of B boundary rows (module docstring); ``indexer`` adds Hadamard + int8 outputs."""
+    span = 2 * ratio if ratio == OVERLAP_RATIO else ratio
+    coff = 2 if ratio == OVERLAP_RATIO else 1
+
+    def entries_of(positions: Any, request_ids: Any, state_table: Any, state: Any, norm: Any, cos: Any,
+                   sin: Any) -> tuple[Any, Any]:
+        rows_f = _window_state_rows(positions, request_ids, state_table, span, width, page)
+        pooled = _pooled(state, rows_f, ratio, dim)
+        pypto.set_vec_tile_shapes(16, 128)
+        y = rms_norm(pooled, norm, eps)
+        pypto.set_vec_tile_shapes(1, 1, 128)
+        return rope_heads(pypto.reshape(y, [rows, 1, dim]), cos, sin, rows, 1, dim, rope)
+
+    if not indexer:
+        @kernel
+        def compressor_pool(positions: pypto.Tensor([rows, 1], pypto.DT_INT32),
+                            request_ids: pypto.Tensor([rows, 1], pypto.DT_INT32),
+                            state_table: pypto.Tensor([requests * width], pypto.DT_INT32),
+                            state: pypto.Tensor([state_rows_n, 2 * coff * dim], pypto.DT_FP32),
+                            norm: pypto.Tensor([1, dim], pypto.DT_FP32),
+                            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+                            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+                            entries: pypto.Tensor([rows, 1, dim], pypto.DT_BF16)):
+            _sizes = (rows, requests, width, state_rows_n, coff, dim, rope)  # closure capture for annotations
+            nope, roped = entries_of(positions, request_ids, state_table, state, norm, cos, sin)
+            pypto.assemble(pypto.cast(nope, pypto.DT_BF16), [0, 0, 0], entries)
+            pypto.assemble(pypto.cast(roped, pypto.DT_BF16), [0, 0, dim - rope], entries)
+
+        return compressor_pool
+
+    tn = _tile(dim, 128)
+
+    @kernel
+    def index_key_pool(positions: pypto.Tensor([rows, 1], pypto.DT_INT32),
+                       request_ids: pypto.Tensor([rows, 1], pypto.DT_INT32),
+                       state_table: pypto.Tensor([requests * width], pypto.DT_INT32),
+                       state: pypto.Tensor([state_rows_n, 2 * coff * dim], pypto.DT_FP32),
+                       norm: pypto.Tensor([1, dim], pypto.DT_FP32),
+                       cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+                       sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+                       hadamard: pypto.Tensor([dim, dim], pypto.DT_BF16),
+                       idx: pypto.Tensor([rows, dim], pypto.DT_INT8),
+                       idx_scale: pypto.Tensor([rows, 1], pypto.DT_FP32)):
+        _sizes = (rows, requests, width, state_rows_n, coff, dim, rope)  # closure capture for annotations
+        pypto.set_cube_tile_shapes([16, 16], [tn, tn], [tn, tn])
+        nope, roped = entries_of(positions, request_ids, state_table, state, norm, cos, sin)
+        y = pypto.cast(pypto.concat([nope, roped], -1), pypto.DT_BF16)                          # [B, 1, d]
+        pypto.set_vec_tile_shapes(16, 128)
+        z = pypto.matmul(pypto.reshape(y, [rows, dim]), hadamard, pypto.DT_FP32)                 # [B, d]
+        z_q, z_scale = int8_rows(pypto.cast(pypto.cast(z, pypto.DT_BF16), pypto.DT_FP32))
+        idx[:] = z_q
+        idx_scale[:] = z_scale
+
+    return index_key_pool
+
+
+def run_state_rows(x: np.ndarray, wkv: np.ndarray, wgate: np.ndarray, ape: np.ndarray,
+                   positions: np.ndarray) -> LaunchResult:
+    """``values[-1]`` = [P, 2*coff*d] fp32 ``[kv | score]`` rows; x [P, X], wkv/wgate [coff*d, X], ape [m, coff*d]."""
+    rows, hidden = x.shape
+    width = wkv.shape[0]
+    k = state_rows_kernel(rows, hidden, width, ape.shape[0])
+    return launch(k, [x.astype(BF16), wkv.astype(BF16), wgate.astype(BF16), np.asarray(ape, np.float32),
+                      np.asarray(positions, np.int32), Out((rows, 2 * width), np.float32, "state_rows")])
+
+
+def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.ndarray, state: np.ndarray,
+             norm: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, ratio: int, page: int, eps: float,
+             hadamard: np.ndarray | None = None) -> LaunchResult:
+    """Pool the windows of B boundary rows (positions, request_ids [B]; cos/sin [B, rd/2] at the window start).
+
+    ``values[-1]`` = entries [B, 1, d] bf16; with ``hadamard``: ``values[-2:]`` = idx [B, d] int8, idx_scale [B, 1].
+    """
+    rows = len(positions)
+    table = np.asarray(state_table, np.int32)
+    dim = norm.shape[-1]
+    k = pool_kernel(rows, table.shape[0], table.shape[1], state.shape[0], dim, ratio, page, 2 * cos.shape[1],
+                    float(eps), hadamard is not None)
+    args = [np.asarray(positions, np.int32).reshape(-1, 1), np.asarray(request_ids, np.int32).reshape(-1, 1),
+            table.reshape(-1), np.asarray(state, np.float32), np.asarray(norm, np.float32).reshape(1, -1),
+            cos.astype(BF16), sin.astype(BF16)]
+    if hadamard is None:
+        return launch(k, [*args, Out((rows, 1, dim), BF16, "entries")])
+    return launch(k, [*args, np.asarray(hadamard).astype(BF16), Out((rows, dim), np.int8, "idx"),
+                      Out((rows, 1), np.float32, "idx_scale")])
+
+
+def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
+                  state_table: np.ndarray, state_pool: np.ndarray, weights: Any, cos: np.ndarray, sin: np.ndarray,
+                  *, page_size: int, eps: float, hadamard: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """One compressor over a TP group's rows through pypto; **mutates** ``state_pool`` (the ring).
+
+    x [P, X] (bf16 values); positions, request [P] (-1 padding); state_slots [P] int64 (-1 = no write);
+    state_table [R, width] int32; state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor``
+    (a2a3); cos, sin [P, rd/2] at each row's window start. Returns (boundary rows b [B] int64, outputs):
+    outputs = (entries [B, d] float32 bf16 values,) or, with ``hadamard``, (idx [B, d] int8, idx_scale [B]).
+    Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped.
+    """
+    from dspark_abi.errors import ABIError
+    from dspark_kernels.pypto.paged import run_scatter
+    from dspark_kernels.reference.compressor import boundary_mask, check_window_coverage
+
+    ratio = weights.ratio
+    issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table")
+    if issues:
+        raise ABIError(issues)
+    rows = run_state_rows(x, weights.wkv, weights.wgate, weights.ape, positions).values[-1]
+    state_pool[...] = run_scatter(state_pool, rows, state_slots).values[0]
+    b = np.flatnonzero(boundary_mask(positions, request, ratio)).astype(np.int64)
+    if b.size == 0:
+        d = weights.dim
+        return b, ((np.zeros((0, d), np.int8), np.zeros(0, np.float32)) if hadamard is not None
+                   else (np.zeros((0, d), np.float32),))
+    result = run_pool(np.asarray(positions)[b], np.asarray(request)[b], state_table, state_pool, weights.norm,
+                      cos[b], sin[b], ratio=ratio, page=page_size, eps=eps, hadamard=hadamard)
+    if hadamard is not None:
+        return b, (result.values[-2], result.values[-1][:, 0])
+    return b, (result.values[-1][:, 0].astype(np.float32),)
