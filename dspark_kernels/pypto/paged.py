@@ -29,6 +29,9 @@ import numpy as np
 from dspark_abi.layout import KV_PAGE_SIZE
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
+#: Fewest int32 columns a kernel row may have: pypto tiles need rows of at least 32 bytes
+#: (``lastDimBytes % BLOCK_SIZE == 0``).
+MIN_COLUMNS = 8
 _PYPTO_DTYPES = {np.dtype(ml_dtypes.bfloat16): "DT_BF16", np.dtype(np.float32): "DT_FP32",
                  np.dtype(np.int32): "DT_INT32", np.dtype(np.int8): "DT_INT8"}
 
@@ -180,6 +183,9 @@ def run_entry_rows(positions: np.ndarray, request_ids: np.ndarray, table: np.nda
     elif ratio != 0:
         raise ValueError("given entries need ratio=0")
     entries = np.asarray(entries, dtype=np.int32)
+    wanted = entries.shape[1]
+    if wanted < MIN_COLUMNS:  # rows of fewer than 32 bytes cannot be tiled; padded columns are dead (-1)
+        entries = np.concatenate([entries, np.full((len(entries), MIN_COLUMNS - wanted), -1, np.int32)], axis=1)
     k = entry_rows_kernel(len(positions), table.shape[0], table.shape[1], entries.shape[1], ratio)
-    return launch(k, [positions, request_ids, table.reshape(-1), entries,
-                      Out(entries.shape, np.int32, "rows")])
+    result = launch(k, [positions, request_ids, table.reshape(-1), entries, Out(entries.shape, np.int32, "rows")])
+    return LaunchResult((*result.values[:-1], result.values[-1][:, :wanted]), result.cycles)

@@ -14,8 +14,9 @@ width, W window, K compressed columns, rd rope dims; all shapes static per call)
 * ``o``          [T, H, D] bf16 out: attention output after inverse RoPE; rows without keys (padding) 0.
 
 Math (one softmax over the union of window and compressed keys, K = V = the gathered latent rows):
-``s = (q . k) * scale`` in fp32; online softmax over key tiles (the window is its own tiles, then the
-compressed columns): ``m' = max(m, max s)``, ``p = exp(s - m')`` (0 on missing keys, see ``_attend``),
+``s = (q . k) * scale`` in fp32; online softmax over key tiles (:func:`key_blocks`: one shared tile when
+every key fits, else the window's tiles, then the compressed columns'): ``m' = max(m, max s)``,
+``p = exp(s - m')`` (0 on missing keys, see ``_attend``),
 ``l = l e^(m - m') + sum p``, ``acc = acc e^(m - m') + bf16(p) @ k``; finally
 ``o = acc / (l + e^(sink - m))`` (the sink is in the denominator only, never in the max), inverse RoPE on
 the last rd dims at the query's position, bf16. Keys are gathered in the kernel with ``index_select``
@@ -29,6 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from dspark_kernels.pypto.paged import MIN_COLUMNS
 from dspark_kernels.pypto.projections import rope_heads
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
@@ -36,12 +38,14 @@ BF16 = ml_dtypes.bfloat16
 #: Logit bias of a missing key: e^(MASKED_LOGIT - m) is exactly 0 for any m >= RUNNING_MAX_FLOOR.
 MASKED_LOGIT = -1e30
 #: Start of the running maximum. Real logits are q.k * D^-0.5 with RMS-normalised q and keys (|logit| is of
-#: order sqrt(D) at most, ~23 at D = 512), so the floor never wins against a real key: the maximum is exact.
+#: order sqrt(D) times the kv_norm weights, ~23 at D = 512), so the floor never wins against a real key and
+#: the maximum is exact; it would only matter for norm weights in the hundreds.
 RUNNING_MAX_FLOOR = -1e4
 #: Key columns per online-softmax step. Cost model, FLASH heads, T = 32 rows, 128 window + 512 top-k keys:
 #: 387k cycles with 128-key tiles (5 steps), 301k with 256 (3 steps), 258k with 512, 243k with one 640-key
-#: pass. 256 keys x 512 bf16 = 256 KB per query stay within the 512 KB L1 next to q (64 KB); larger tiles
-#: rely on the cost model's view of L1, which has not been checked against hardware.
+#: pass (T = 128: 1.165M with 128, 0.731M with 256, 0.703M in one pass). 256 keys x 512 bf16 = 256 KB per
+#: query stay within the 512 KB L1 next to q (64 KB); larger tiles rely on the cost model's view of L1, which
+#: has not been checked against hardware.
 DEFAULT_KEY_TILE = 256
 #: Vector tiles over [T, H, n] / [T, H, D] are (1, head_tile, VEC_COLUMNS) fp32 = 32 KB with head_tile 32:
 #: 301k -> 275k cycles against (1, 64, 128) at the same UB footprint (the kernel factory's other defaults:
@@ -155,6 +159,9 @@ def run_sparse_attention(q: np.ndarray, window_rows: np.ndarray, cmp_rows: np.nd
     if cmp_rows is None or cmp is None or cmp_rows.shape[1] == 0:
         cmp_rows, cmp, compressed = np.full((rows, 1), -1, np.int32), np.zeros((1, dim), np.float32), 0
     else:
+        cmp_rows = np.asarray(cmp_rows)
+        if cmp_rows.shape[1] < MIN_COLUMNS:  # rows under 32 bytes cannot be tiled: pad with missing keys
+            cmp_rows = np.concatenate([cmp_rows, np.full((rows, MIN_COLUMNS - cmp_rows.shape[1]), -1)], axis=1)
         compressed = cmp_rows.shape[1]
     for name, idx, pool in (("window_rows", window_rows, ori), ("cmp_rows", cmp_rows, cmp)):
         bad = np.flatnonzero((np.asarray(idx) < -1) | (np.asarray(idx) >= len(pool)))

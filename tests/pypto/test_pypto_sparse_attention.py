@@ -15,7 +15,7 @@ the last bf16 bit. In one pass (the HCA case: every key in one tile) it matched 
 import numpy as np
 import pypto_cases
 import pytest
-from pypto_fixtures import SEED, attention_core_inputs, long_batch
+from pypto_fixtures import SEED, attention_core_inputs, long_batch, packed_batch
 
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.reference.paged import physical_rows
@@ -35,8 +35,12 @@ HCA_KEY_TILE = 128
 
 def _cases():
     batch = long_batch()
-    return [attention_core_inputs(batch, layer, rank, SEED, tile)
-            for layer, tile in ((1, CSA_KEY_TILE), (2, HCA_KEY_TILE)) for rank in range(batch.tp_size)]
+    cases = [attention_core_inputs(batch, layer, rank, SEED, tile)
+             for layer, tile in ((1, CSA_KEY_TILE), (2, HCA_KEY_TILE)) for rank in range(batch.tp_size)]
+    # HCA rows seeing at most one entry: a single compressed column (padded to a 32-byte row inside)
+    cases.append(attention_core_inputs(packed_batch(), 2, 0, SEED, HCA_KEY_TILE))
+    assert cases[-1]["cmp_rows"].shape[1] == 1
+    return cases
 
 
 def test_entry_rows_match_reference():
