@@ -70,6 +70,8 @@ def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, ro
     """The jit kernel for one geometry (module docstring); ``rounds``: see :func:`_select` (0 = as few as k allows)."""
     rounds = rounds or -(-topk // TOPK_MAX_K)
     tm, tk, tn = _tile(rows, 128), _tile(max(hidden, q_rank), 128), _tile(dim, 128)
+    if tm == 64:  # an M tile of 64 here ends the process with SIGSEGV in pypto 0.2.0 (seen for 64 <= T < 128)
+        tm = 32
 
     @kernel
     def lightning_indexer(qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),

@@ -55,3 +55,19 @@ def test_pypto_backend_needs_a2a3_precision(case):
     with pytest.raises(ABIError) as err:
         prefill(batch, x, weights, caches, layers=[1], backend="pypto")
     assert err.value.codes == {"config.invalid"}
+
+
+def test_single_request_of_64_rows_csa_layer():
+    """64 <= T < 128 query rows once hit a pypto crash in the indexer's tile choice (regression)."""
+    weights = ModelWeights.random(TINY, seed=0)
+    alloc = BlockAllocator(TINY, pool_blocks_for(TINY, [64]))
+    builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
+    builder.add(0, num_cached=0, num_new=64, token_ids=np.arange(64))
+    batch = builder.build()
+    x = np.random.default_rng(2).standard_normal((64, TINY.hidden_size)).astype(np.float32)
+    ref_caches = ModelCaches.allocate(TINY, alloc.pool_blocks, precision="a2a3")
+    pp_caches = ref_caches.copy()
+    ref = prefill(batch, x, weights, ref_caches, precision="a2a3", layers=[1])
+    out = prefill(batch, x, weights, pp_caches, precision="a2a3", layers=[1], backend="pypto")
+    a, b = ref.x_hc.astype(np.float64), out.x_hc.astype(np.float64)
+    assert np.abs(a - b).max() <= MAX_ABS_OF_SCALE * np.abs(a).max()
