@@ -16,7 +16,7 @@ import numpy as np
 from dspark_abi.batch import PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES, PoolLayout
+from dspark_abi.layout import POOL_NAMES, PoolLayout, live_range
 
 
 def _expand(lo: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -88,9 +88,9 @@ class BlockAllocator:
         rows = np.array([self._row_of.get(r, provisional.get(r)) for r in request_ids], dtype=np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         map_cells, release_cells, state_keep, short = {}, {}, {}, []
+        fresh = np.isin(rows, list(provisional.values()))      # rows of requests new in this step
         for p in POOL_NAMES:
             pl = self.layout.pools[p]
-            fresh = np.isin(rows, list(provisional.values()))
             released = self._plan_release(pl, rows, starts, ends, fresh)
             cells = self._plan_map(pl, rows, starts, ends, fresh)
             available = self._free[p].size + released[0].size
@@ -115,7 +115,7 @@ class BlockAllocator:
 
     def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                   fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = _live_range(pl, starts, ends, self.config.sliding_window)
+        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
         has = hi > lo
         page_lo = np.where(has, lo // pl.page_size, 0)
         count = np.where(has, (hi - 1) // pl.page_size - page_lo + 1, 0)
@@ -193,9 +193,3 @@ def pool_blocks_for(config: ModelConfig, contexts: Sequence[int], *, slack: int 
         logical = ctx // pl.ratio if pl.ratio else ctx
         need[pl.name] = int((-(-logical // pl.page_size)).sum()) + len(ctx) + slack
     return PoolBlocks(**need)
-
-
-def _live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    from dspark_abi.rules import _live_range as rule
-
-    return rule(pl, start, end, window)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 import attrs
+import numpy as np
 
 from dspark_abi._base import cdiv
 
@@ -103,11 +104,15 @@ class CacheLayout:
         state pools: the carried history plus the chunk, ``[start - state_len, end)``.
         Lower bounds are clamped at 0. An empty chunk (start == end) touches nothing.
         """
-        p = self.pools[pool]
         if end <= start:
             return (0, 0)
-        if p.ratio:
-            return (0, end // p.ratio)
-        if p.is_state:
-            return (max(0, start - p.state_len), end)
-        return (max(0, start - self.sliding_window + 1), end)
+        lo, hi = live_range(self.pools[pool], np.int64(start), np.int64(end), self.sliding_window)
+        return (int(lo), int(hi))
+
+
+def live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorized :meth:`CacheLayout.read_range` over requests (no special case for empty requests)."""
+    if pl.ratio:
+        return np.zeros_like(start), end // pl.ratio
+    reach = pl.state_len if pl.is_state else window - 1
+    return np.maximum(0, start - reach), end

@@ -31,8 +31,7 @@ def lower_local_request_ids(query_start_loc: Any, local_base: int, local_tokens:
     stops = np.clip(qsl[1:], lo, hi)
     owned = np.repeat(np.arange(len(qsl) - 1, dtype=np.int32), stops - starts)
     out = np.full(local_tokens, -1, dtype=np.int32)
-    first = int(starts[0]) - lo if len(starts) else 0  # rows before request 0 cannot exist (qsl[0] == 0)
-    out[first:first + owned.size] = owned
+    out[: owned.size] = owned  # qsl[0] == 0, so the owned rows start at the window's first row
     return out
 
 

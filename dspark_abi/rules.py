@@ -14,7 +14,7 @@ import numpy as np
 from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import Issue
-from dspark_abi.layout import POOL_NAMES, PoolLayout
+from dspark_abi.layout import POOL_NAMES, PoolLayout, live_range
 from dspark_abi.policy import PaddingPolicy
 
 
@@ -114,19 +114,11 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
               index_of=pad, expected=0.0, actual="nonzero row")
 
 
-def _live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Logical ``[lo, hi)`` each request touches (same rule as CacheLayout.read_range, vectorized)."""
-    if pl.ratio:
-        return np.zeros_like(start), end // pl.ratio
-    reach = pl.state_len if pl.is_state else window - 1
-    return np.maximum(0, start - reach), end
-
-
 def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.ndarray,
                  end: np.ndarray, use: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     """Coverage, block range, in-request aliasing; return per-block (min, max) owner request (-1: none)."""
     name = TABLE_FIELDS[pl.name]
-    lo, hi = _live_range(pl, start, end, window)
+    lo, hi = live_range(pl, start, end, window)
     has = use & (hi > lo)
     page_lo = np.where(has, lo // pl.page_size, 0)
     count = np.where(has, (hi - 1) // pl.page_size - page_lo + 1, 0)

@@ -86,7 +86,7 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     layers: layer indices to run (default all); logit_rows: group rows to sample (default batch.logit_rows).
     For one rank's view of a TP group see :mod:`dspark_kernels.tp`.
     """
-    issues = _check(batch, inputs, weights, backend, layers)
+    issues = _check(batch, inputs, weights, backend)
     if backend == "pypto" and precision != "a2a3":
         issues.append(Issue("config.invalid", "precision", "the pypto backend computes the a2a3 kernels' numerics",
                             expected="a2a3", actual=precision))
@@ -98,7 +98,8 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
 
         def attention_fn(b, layer, x, w, c, *, precision, rank):  # type: ignore[no-untyped-def]
             return attention_pypto(b, layer, x, w, c, rank=rank)
-    run = list(range(batch.config.num_layers)) if layers is None else list(layers)
+    n_layers = batch.config.num_layers
+    run = list(range(n_layers)) if layers is None else sorted({i for i in layers if 0 <= i < n_layers})
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
         result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=layers,
@@ -110,18 +111,13 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
                          logits=result.logits, sampled=result.sampled)
 
 
-def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backend: str,
-           layers: Sequence[int] | None) -> list[Issue]:
+def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backend: str) -> list[Issue]:
     if not isinstance(batch, PackedBatch):
         return [Issue("array.missing", "batch", "prefill needs a PackedBatch (build it with BatchBuilder)",
                       expected="PackedBatch", actual=type(batch).__name__)]
     issues: list[Issue] = []
     if backend not in BACKENDS:
         issues.append(Issue("config.invalid", "backend", "unknown backend", expected=list(BACKENDS), actual=backend))
-    n_layers = batch.config.num_layers
-    if layers is not None and (len(set(layers)) != len(layers) or any(not 0 <= i < n_layers for i in layers)):
-        issues.append(Issue("config.mismatch", "layers", "layers must be distinct indices of the config's schedule",
-                            expected=f"distinct values in [0, {n_layers})", actual=list(layers)))
     arr = np.asarray(inputs)
     if arr.dtype.kind == "f":
         if not np.isfinite(arr).all():
