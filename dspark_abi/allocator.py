@@ -4,11 +4,18 @@ It persists across steps. Each step maps every page a request reads or writes in
 (window, compressed history, state history) and recycles state-ring pages that fell out of the
 carried history. A step is all or nothing: if any pool is short, :class:`ABIError`
 ``alloc.exhausted`` is raised and no table or free list changes.
+
+Thread safety: every public method is atomic (one re-entrant lock, :attr:`BlockAllocator.lock`). A step
+is two calls, :meth:`~BlockAllocator.plan` then :meth:`~BlockAllocator.commit`; a plan that another
+commit or release overtook is refused with ``alloc.stale_plan`` (nothing changes), see the class docstring.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -37,6 +44,8 @@ class StepPlan:
     release_cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # pool -> (rows, pages, blocks)
     ends: np.ndarray                                   # [R] cached tokens after the step
     state_keep: dict[str, np.ndarray]                  # state pool -> [R] first page kept after the step
+    owner: object = None                               # token of the allocator that made the plan
+    generation: int = -1                               # the allocator's generation the plan was made on
 
 
 class BlockAllocator:
@@ -44,6 +53,16 @@ class BlockAllocator:
 
     pool_blocks: physical blocks per pool (``PoolBlocks`` or a mapping pool -> int). Blocks are handed
     out lowest id first, so runs are deterministic.
+
+    **Threads.** One allocator may be shared by several threads (e.g. one ``BatchBuilder`` each). Every
+    public method (``plan``, ``commit``, ``release``, ``free_blocks``, ``knows``, ``cached_tokens``,
+    ``table_rows``) runs under :attr:`lock`, a re-entrant lock, so none sees or leaves a half-made change.
+    A step is *two* calls, ``plan`` then ``commit`` (``BatchBuilder.build`` assembles and validates the
+    batch between them). Each commit and release advances a generation counter; ``commit`` refuses a plan
+    made on an older generation, or by another allocator, with :class:`ABIError` ``alloc.stale_plan`` and
+    changes nothing (the builder keeps its queue: call ``build()`` again). To make a whole step atomic, hold
+    the lock around it: ``with allocator.lock: batch = builder.build()``. Threads must not share one
+    request id (nor one ``BatchBuilder``, whose queue is not locked).
     """
 
     def __init__(self, config: ModelConfig, pool_blocks: PoolBlocks | Mapping[str, int], *, capacity: int = 16):
@@ -57,29 +76,61 @@ class BlockAllocator:
         self._row_of: dict[int, int] = {}
         self._cached: dict[int, int] = {}
         self._spare_rows: list[int] = list(range(capacity - 1, -1, -1))
+        self._lock = threading.RLock()
+        self._generation = 0          # advanced by every commit and release; plans record it
+        self._token = object()        # identifies this allocator's plans
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock every method takes; hold it around ``plan`` .. ``commit`` (e.g. around
+        ``BatchBuilder.build()``) to make a whole step atomic with respect to other threads."""
+        return self._lock
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BlockAllocator:
+        """An independent snapshot (free lists, tables, cached counts) with its own lock and plan identity:
+        plans made on the original are stale for the copy and vice versa."""
+        with self._lock:
+            clone = copy.copy(self)
+            for name in ("_free", "_tables", "_state_floor", "_row_of", "_cached", "_spare_rows"):
+                setattr(clone, name, copy.deepcopy(getattr(self, name), memo))
+        clone._lock = threading.RLock()
+        clone._token = object()
+        return clone
 
     # ------------------------------------------------------------------ queries
     def free_blocks(self, pool: str) -> int:
-        return int(self._free[pool].size)
+        with self._lock:
+            return int(self._free[pool].size)
 
     def knows(self, request_id: int) -> bool:
-        return request_id in self._row_of
+        with self._lock:
+            return request_id in self._row_of
 
     def cached_tokens(self, request_id: int) -> int:
         """Tokens of ``request_id`` whose caches earlier steps wrote (its next start position)."""
-        if request_id not in self._cached:
-            raise ABIError([Issue("alloc.unknown_request", "request_id", "request is not allocated",
-                                  expected="a request added earlier", actual=request_id)])
-        return self._cached[request_id]
+        with self._lock:
+            if request_id not in self._cached:
+                raise ABIError([_unknown(request_id)])
+            return self._cached[request_id]
 
     def table_rows(self, request_ids: Sequence[int]) -> dict[str, np.ndarray]:
         """pool -> [R, width] int32 copy of the tables of ``request_ids`` (in that order)."""
-        rows = np.array([self._row_of[r] for r in request_ids], dtype=np.int64)
-        return {p: self._tables[p][rows] for p in POOL_NAMES}
+        with self._lock:
+            unknown = [i for i, r in enumerate(request_ids) if r not in self._row_of]
+            if unknown:
+                raise ABIError([_unknown(request_ids[unknown[0]], index=unknown[0], count=len(unknown))])
+            rows = np.array([self._row_of[r] for r in request_ids], dtype=np.int64)
+            return {p: self._tables[p][rows] for p in POOL_NAMES}
 
     # ------------------------------------------------------------------ planning
     def plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
-        """Compute the mappings a step needs; raises ``alloc.exhausted`` (changing nothing) if short."""
+        """Compute the mappings a step needs; raises ``alloc.exhausted`` (changing nothing) if short.
+
+        The plan is valid until the next commit or release on this allocator (see the class docstring)."""
+        with self._lock:
+            return self._plan(request_ids, starts, ends)
+
+    def _plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
         new_ids = tuple(r for r in request_ids if r not in self._row_of)
         if len(new_ids) > len(self._spare_rows):
             self._grow(len(self._row_of) + len(new_ids))
@@ -111,7 +162,8 @@ class BlockAllocator:
             pool = np.concatenate([self._free[p], release_cells[p][2][::-1].astype(np.int32)])
             blocks = pool[::-1][: r_rows.size] if r_rows.size else np.empty(0, np.int32)
             map_cells[p] = (r_rows, r_pages, blocks.astype(np.int32))
-        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, state_keep)
+        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, state_keep,
+                        owner=self._token, generation=self._generation)
 
     def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                   fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -139,7 +191,24 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ mutation
     def commit(self, plan: StepPlan) -> None:
-        """Apply a plan made by :meth:`plan` on this allocator's current state."""
+        """Apply a plan made by :meth:`plan` on this allocator's current state.
+
+        Raises ``alloc.stale_plan`` (changing nothing) if the plan was made by another allocator or if a
+        commit or release happened on this one since the plan was made."""
+        with self._lock:
+            if plan.owner is not self._token or plan.generation != self._generation:
+                foreign = plan.owner is not self._token
+                raise ABIError([Issue(
+                    "alloc.stale_plan", "plan",
+                    "the plan was made by another allocator" if foreign else
+                    "the allocator changed between plan and commit (another step was committed or a request "
+                    "released)",
+                    expected=f"a plan of this allocator's generation {self._generation}",
+                    actual="another allocator's plan" if foreign else f"a plan of generation {plan.generation}")])
+            self._commit(plan)
+            self._generation += 1
+
+    def _commit(self, plan: StepPlan) -> None:
         for r in plan.new_ids:
             self._row_of[r] = self._spare_rows.pop()
         for p in POOL_NAMES:
@@ -158,9 +227,13 @@ class BlockAllocator:
 
     def release(self, request_id: int) -> None:
         """Return every block of ``request_id`` to the free lists and forget it."""
-        if request_id not in self._row_of:
-            raise ABIError([Issue("alloc.unknown_request", "request_id", "request is not allocated",
-                                  expected="a request added earlier", actual=request_id)])
+        with self._lock:
+            if request_id not in self._row_of:
+                raise ABIError([_unknown(request_id)])
+            self._release(request_id)
+            self._generation += 1
+
+    def _release(self, request_id: int) -> None:
         row = self._row_of.pop(request_id)
         self._cached.pop(request_id, None)
         for p in POOL_NAMES:
@@ -171,7 +244,7 @@ class BlockAllocator:
             self._state_floor[p][row] = 0
         self._spare_rows.append(row)
 
-    def _grow(self, needed: int) -> None:
+    def _grow(self, needed: int) -> None:  # called by plan, under the lock
         old = next(iter(self._tables.values())).shape[0]
         new = max(needed, 2 * old)
         for p in POOL_NAMES:
@@ -182,6 +255,12 @@ class BlockAllocator:
             floor[:old] = self._state_floor[p]
             self._state_floor[p] = floor
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
+
+
+def _unknown(request_id: object, *, index: int | None = None, count: int = 1) -> Issue:
+    return Issue("alloc.unknown_request", "request_id" if index is None else "request_ids",
+                 "request is not allocated", index=index, expected="a request added earlier",
+                 actual=request_id, count=count)
 
 
 def pool_blocks_for(config: ModelConfig, contexts: Sequence[int], *, slack: int = 8) -> PoolBlocks:

@@ -2,7 +2,9 @@
 
 Symbols (defined once, used everywhere): R requests; N live tokens = ``query_start_loc[-1]``;
 TP ranks; P = align_up(N, TP) group rows; L = P / TP rank-local rows. Rows ``N..P-1`` are padding.
-Every array is stored as a read-only copy: mutating the caller's array afterwards changes nothing.
+Every array is stored as a view of an immutable ``bytes`` copy, made once from the caller's array: mutating
+the caller's array afterwards changes nothing, and no array a batch hands out (``to_arrays()``, tables, slot
+mappings, rank views) can be made writeable again, not even through its ``base``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES, PoolName
+from dspark_abi.layout import MAX_POOL_BLOCKS, PAGE_SIZES, POOL_NAMES, PoolName
 from dspark_abi.policy import PaddingPolicy
 
 #: Set only by :meth:`PackedBatch.from_arrays` right after it validated the very arrays being frozen.
@@ -28,20 +30,50 @@ TABLE_FIELDS: dict[PoolName, str] = {p: f"{p}_block_table" for p in POOL_NAMES}
 SLOT_FIELDS: dict[PoolName, str] = {p: f"{p}_slot_mapping" for p in POOL_NAMES}
 
 
-def _ro(value: Any) -> Any:
-    """Freeze an array without changing its dtype (dtype errors are the validator's job)."""
-    if value is None:
-        return None
-    if isinstance(value, np.ndarray) and not value.flags.writeable and value.base is None \
-            and value.flags.c_contiguous:
-        return value  # already a private frozen buffer (e.g. produced by the builder)
-    out = np.array(value, copy=True, order="C")
-    out.flags.writeable = False
-    return out
+def subclass_issue(name: str, value: np.ndarray) -> Issue:
+    """The issue of an ndarray subclass given for an ABI array (its mask or matrix semantics would be lost)."""
+    return Issue("array.dtype", name, "must be a plain numpy.ndarray, not an ndarray subclass: a masked array's "
+                 "mask would be ignored, a matrix indexes differently", expected="numpy.ndarray",
+                 actual=type(value).__name__,
+                 fix="pass a plain numpy.ndarray: fill masked entries explicitly (e.g. -1 slots) and convert with "
+                     "np.asarray(x.filled(...)) or np.asarray(matrix)")
 
 
-def _afield(doc: str, optional: bool = False) -> Any:
-    kw: dict[str, Any] = {"converter": _ro, "eq": attrs.cmp_using(eq=array_eq), "metadata": {"doc": doc}}
+def _immutable(a: np.ndarray) -> bool:
+    """True when ``a``'s memory is ultimately a ``bytes`` object, which no one can write or make writeable."""
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, bytes)
+
+
+def freeze(value: Any, name: str = "array") -> np.ndarray:
+    """``value`` as a C-contiguous array over an immutable ``bytes`` buffer, copied at most once.
+
+    Keeps the dtype (dtype errors are the validator's job). An array that already lives in immutable memory
+    (a frozen batch's array, a fixture read from bytes) is shared, not copied. ndarray subclasses raise
+    ``array.dtype``: a masked array's mask would be silently dropped.
+    """
+    if isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray:
+            raise ABIError([subclass_issue(name, value)])
+        a = value
+    else:
+        a = np.asarray(value)
+    if a.flags.c_contiguous and not a.flags.writeable and _immutable(a):
+        return a
+    if a.dtype.hasobject:  # no buffer to freeze: never a valid ABI array, the validator rejects it
+        out = np.array(a, copy=True, order="C")
+        out.flags.writeable = False
+        return out
+    return np.frombuffer(a.tobytes(order="C"), dtype=a.dtype).reshape(a.shape)
+
+
+def _afield(doc: str, name: str, optional: bool = False) -> Any:
+    def convert(value: Any) -> Any:
+        return None if value is None else freeze(value, name)
+
+    kw: dict[str, Any] = {"converter": convert, "eq": attrs.cmp_using(eq=array_eq), "metadata": {"doc": doc}}
     if optional:
         kw["default"] = None
     return attrs.field(**kw)
@@ -55,13 +87,19 @@ class RequestTables:
     Widths come from ``ModelConfig.layout`` (FLASH: 512, 128, 4, 128, 8192, 8192, 2048).
     """
 
-    ori: np.ndarray = _afield("[R, ceil(max_pos/32)] int32: page pos//32 -> kv block; -1 unmapped")
-    csa_cmp: np.ndarray = _afield("[R, ceil(max_pos/4/32)] int32: ratio-4 entry page c//32 -> block; -1 unmapped")
-    hca_cmp: np.ndarray = _afield("[R, ceil(max_pos/128/32)] int32: ratio-128 entry page c//32 -> block")
-    idx: np.ndarray = _afield("[R, ceil(max_pos/4/32)] int32: indexer entry page c//32 -> idx cache block")
-    csa_state: np.ndarray = _afield("[R, ceil(max_pos/2)] int32: state page pos//2 -> ratio-4 state block")
-    csa_inner_state: np.ndarray = _afield("[R, ceil(max_pos/2)] int32: pos//2 -> indexer state block")
-    hca_state: np.ndarray = _afield("[R, ceil(max_pos/8)] int32: pos//8 -> ratio-128 state block")
+    ori: np.ndarray = _afield("[R, ceil(max_pos/32)] int32: page pos//32 -> kv block; -1 unmapped", TABLE_FIELDS["ori"])
+    csa_cmp: np.ndarray = _afield(
+        "[R, ceil(max_pos/4/32)] int32: ratio-4 entry page c//32 -> block; -1 unmapped", TABLE_FIELDS["csa_cmp"])
+    hca_cmp: np.ndarray = _afield(
+        "[R, ceil(max_pos/128/32)] int32: ratio-128 entry page c//32 -> block", TABLE_FIELDS["hca_cmp"])
+    idx: np.ndarray = _afield(
+        "[R, ceil(max_pos/4/32)] int32: indexer entry page c//32 -> idx cache block", TABLE_FIELDS["idx"])
+    csa_state: np.ndarray = _afield(
+        "[R, ceil(max_pos/2)] int32: state page pos//2 -> ratio-4 state block", TABLE_FIELDS["csa_state"])
+    csa_inner_state: np.ndarray = _afield(
+        "[R, ceil(max_pos/2)] int32: pos//2 -> indexer state block", TABLE_FIELDS["csa_inner_state"])
+    hca_state: np.ndarray = _afield(
+        "[R, ceil(max_pos/8)] int32: pos//8 -> ratio-128 state block", TABLE_FIELDS["hca_state"])
 
     def __getitem__(self, pool: str) -> np.ndarray:
         return getattr(self, pool)  # type: ignore[no-any-return]
@@ -78,13 +116,19 @@ class SlotMappings:
     ratio boundaries ((p+1) % ratio == 0). Padding rows are -1 everywhere.
     """
 
-    ori: np.ndarray = _afield("[P] int64: kv_cache row of position p; -1 on padding")
-    csa_cmp: np.ndarray = _afield("[P] int64: csa_cmp row of entry (p+1)/4-1 on boundaries, else -1")
-    hca_cmp: np.ndarray = _afield("[P] int64: hca_cmp row of entry (p+1)/128-1 on boundaries, else -1")
-    idx: np.ndarray = _afield("[P] int64: idx cache/scale row of entry (p+1)/4-1 on boundaries, else -1")
-    csa_state: np.ndarray = _afield("[P] int64: csa_compress_state row of p (page 2); -1 on padding")
-    csa_inner_state: np.ndarray = _afield("[P] int64: csa_inner_compress_state row of p (page 2)")
-    hca_state: np.ndarray = _afield("[P] int64: hca_compress_state row of p (page 8); -1 on padding")
+    ori: np.ndarray = _afield("[P] int64: kv_cache row of position p; -1 on padding", SLOT_FIELDS["ori"])
+    csa_cmp: np.ndarray = _afield(
+        "[P] int64: csa_cmp row of entry (p+1)/4-1 on boundaries, else -1", SLOT_FIELDS["csa_cmp"])
+    hca_cmp: np.ndarray = _afield(
+        "[P] int64: hca_cmp row of entry (p+1)/128-1 on boundaries, else -1", SLOT_FIELDS["hca_cmp"])
+    idx: np.ndarray = _afield(
+        "[P] int64: idx cache/scale row of entry (p+1)/4-1 on boundaries, else -1", SLOT_FIELDS["idx"])
+    csa_state: np.ndarray = _afield(
+        "[P] int64: csa_compress_state row of p (page 2); -1 on padding", SLOT_FIELDS["csa_state"])
+    csa_inner_state: np.ndarray = _afield(
+        "[P] int64: csa_inner_compress_state row of p (page 2)", SLOT_FIELDS["csa_inner_state"])
+    hca_state: np.ndarray = _afield(
+        "[P] int64: hca_compress_state row of p (page 8); -1 on padding", SLOT_FIELDS["hca_state"])
 
     def __getitem__(self, pool: str) -> np.ndarray:
         return getattr(self, pool)  # type: ignore[no-any-return]
@@ -93,29 +137,66 @@ class SlotMappings:
         return [(p, getattr(self, p)) for p in POOL_NAMES]
 
 
+def _block_count(value: Any) -> Any:
+    """numpy integers become Python ints; anything else is left for the check to report."""
+    return int(value) if isinstance(value, np.integer) else value
+
+
+def block_count_issue(pool: str, value: Any) -> Issue | None:
+    """Why ``value`` is not a legal block count of ``pool`` (None when it is): an int in [1, MAX_POOL_BLOCKS]."""
+    limit = MAX_POOL_BLOCKS[pool]  # type: ignore[index]
+    if not isinstance(value, bool) and isinstance(value, int | np.integer) and 1 <= value <= limit:
+        return None
+    if isinstance(value, int) and value.bit_length() > 64:  # a 400-digit count: name it, do not print it
+        value = f"{str(value)[:20]}... ({len(str(value))} digits)"
+    return Issue("pools.blocks", f"pool_blocks.{pool}",
+                 f"block count of pool {pool!r} must be an integer in [1, {limit}] (page size "
+                 f"{PAGE_SIZES[pool]}: every slot must fit int32)",  # type: ignore[index]
+                 expected=f"1..{limit}", actual=value,
+                 fix=f"give pool {pool!r} an integer count of blocks between 1 and {limit} (a Python or numpy "
+                     "integer, not bool or float)")
+
+
 @attrs.frozen
 class PoolBlocks:
-    """Physical block count of each pool (the bound for table entries and slots)."""
+    """Physical block count of each pool (the bound for table entries and slots).
 
-    ori: int
-    csa_cmp: int
-    hca_cmp: int
-    idx: int
-    csa_state: int
-    csa_inner_state: int
-    hca_state: int
+    Every count is a Python int in ``[1, MAX_POOL_BLOCKS[pool]]`` (``(2**31 - 1) // page_size``, so that block
+    ids and slots fit int32): construction raises ``pools.blocks`` otherwise, so no bad instance exists.
+    """
+
+    ori: int = attrs.field(converter=_block_count)
+    csa_cmp: int = attrs.field(converter=_block_count)
+    hca_cmp: int = attrs.field(converter=_block_count)
+    idx: int = attrs.field(converter=_block_count)
+    csa_state: int = attrs.field(converter=_block_count)
+    csa_inner_state: int = attrs.field(converter=_block_count)
+    hca_state: int = attrs.field(converter=_block_count)
+
+    def __attrs_post_init__(self) -> None:
+        issues = [i for p in POOL_NAMES if (i := block_count_issue(p, getattr(self, p))) is not None]
+        if issues:
+            raise ABIError(issues)
 
     @classmethod
     def from_mapping(cls, blocks: Mapping[str, int] | PoolBlocks) -> PoolBlocks:
+        """Checked conversion of a mapping pool -> block count; raises ``pools.blocks`` naming every problem."""
         if isinstance(blocks, PoolBlocks):
             return blocks
+        if not isinstance(blocks, Mapping):
+            raise ABIError([Issue("pools.blocks", "pool_blocks", "must be a mapping pool name -> block count",
+                                  expected="PoolBlocks or a mapping of the seven pools", actual=type(blocks).__name__,
+                                  fix="pass PoolBlocks(...), PoolBlocks.uniform(n) or a dict with the seven pools")])
         missing = [p for p in POOL_NAMES if p not in blocks]
         extra = [k for k in blocks if k not in POOL_NAMES]
-        bad = [p for p in POOL_NAMES if p in blocks and (not isinstance(blocks[p], int | np.integer) or blocks[p] < 1)]
-        if missing or extra or bad:
-            raise ABIError([Issue("pools.blocks", "pool_blocks", "every pool needs a positive integer block count",
-                                  expected=list(POOL_NAMES), actual={"missing": missing, "extra": extra, "bad": bad})])
-        return cls(**{p: int(blocks[p]) for p in POOL_NAMES})
+        issues = []
+        if missing or extra:
+            issues.append(Issue("pools.blocks", "pool_blocks", "pool_blocks must name exactly the seven pools",
+                                expected=list(POOL_NAMES), actual={"missing": missing, "extra": extra}))
+        issues += [i for p in POOL_NAMES if p in blocks and (i := block_count_issue(p, blocks[p])) is not None]
+        if issues:
+            raise ABIError(issues)
+        return cls(**{p: blocks[p] for p in POOL_NAMES})
 
     @classmethod
     def uniform(cls, blocks: int) -> PoolBlocks:
@@ -156,18 +237,21 @@ class PackedBatch:
     config: ModelConfig
     policy: PaddingPolicy
     pool_blocks: PoolBlocks = attrs.field(converter=PoolBlocks.from_mapping)
-    query_start_loc: np.ndarray = _afield("[R+1] int32: [0, q0, q0+q1, ..., N], non-decreasing")
-    positions: np.ndarray = _afield("[P] int32: absolute in-request position; padding rows per policy")
+    query_start_loc: np.ndarray = _afield("[R+1] int32: [0, q0, q0+q1, ..., N], non-decreasing", "query_start_loc")
+    positions: np.ndarray = _afield("[P] int32: absolute in-request position; padding rows per policy", "positions")
     tables: RequestTables = attrs.field()
     slots: SlotMappings = attrs.field()
-    request_ids: np.ndarray | None = _afield("[R] int64: serving request ids, unique; default 0..R-1", True)
-    token_ids: np.ndarray | None = _afield("[P] int64: token ids (MoE hash routing); padding = pad_token_id", True)
-    logit_rows: np.ndarray | None = _afield("[M] int32: group rows in [0, N) to sample; -1 = inactive", True)
+    request_ids: np.ndarray | None = _afield(
+        "[R] int64: serving request ids, unique; default 0..R-1", "request_ids", True)
+    token_ids: np.ndarray | None = _afield(
+        "[P] int64: token ids (MoE hash routing); padding = pad_token_id", "token_ids", True)
+    logit_rows: np.ndarray | None = _afield(
+        "[M] int32: group rows in [0, N) to sample; -1 = inactive", "logit_rows", True)
 
     def __attrs_post_init__(self) -> None:
         if self.request_ids is None:
             ids = np.arange(max(len(self.query_start_loc) - 1, 0), dtype=np.int64)
-            object.__setattr__(self, "request_ids", _ro(ids))
+            object.__setattr__(self, "request_ids", freeze(ids))
         if _ALREADY_VALIDATED.get():
             return
         from dspark_abi.validate import validate_arrays
@@ -244,7 +328,7 @@ class PackedBatch:
         """[P] int32: request owning each group row; -1 on padding rows."""
         from dspark_abi.lowering import lower_local_request_ids
 
-        return lower_local_request_ids(self.query_start_loc, 0, self.padded_rows)
+        return freeze(lower_local_request_ids(self.query_start_loc, 0, self.padded_rows))
 
     @cached_property
     def request_starts(self) -> np.ndarray:
@@ -253,8 +337,7 @@ class PackedBatch:
         out = np.full(self.num_requests, -1, dtype=np.int64)
         live = qsl[1:] > qsl[:-1]
         out[live] = self.positions[qsl[:-1][live]]
-        out.flags.writeable = False
-        return out
+        return freeze(out)
 
     def rank(self, r: int) -> RankView:
         """Rank ``r``'s contiguous rows ``[r*L, (r+1)*L)``, its positions and ``local_request_ids``."""

@@ -22,21 +22,80 @@ import attrs
 import numpy as np
 
 from dspark_abi.allocator import BlockAllocator, StepPlan
-from dspark_abi.batch import PackedBatch, RequestTables, SlotMappings
+from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
+from dspark_abi.validate import EMPTY_BATCH_FIX
 
 
 @attrs.frozen
 class RequestSpec:
-    """One request of a step: ``num_new`` tokens after ``num_cached`` already in the caches."""
+    """One request of a step: ``num_new`` tokens after ``num_cached`` already in the caches.
+
+    :meth:`BatchBuilder.add` queues the arguments as given; :meth:`BatchBuilder.build` checks them and
+    works on exact copies (Python ints, an int64 token-id array) only.
+    """
 
     request_id: int
     num_cached: int
     num_new: int
     token_ids: np.ndarray | None = None
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+_INT32 = (-(2**31), 2**31 - 1)
+_COUNT = (0, 2**63 - 1)
+
+#: Fixes of the builder issues whose generic ``builder.request`` hint is not the exact fix.
+_ID_FIX = "pass request_id as an integer within int64 (a Python or numpy integer, not bool, float or str)"
+_IDS_FIX = ("pass token_ids as a list or 1-D numpy array of integers (no floats, bools, strings or masked "
+            "arrays), one id per new token")
+_ROWS_FIX = ("pass logit_rows='last', None, or a list / 1-D numpy array of int32 group rows in [0, N) "
+             "(-1 for an inactive entry)")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def _exact_int(value: Any, lo: int, hi: int) -> int | None:
+    """``value`` as a Python int when it is a Python or numpy integer (not bool) in ``[lo, hi]``, else None."""
+    if type(value) is int:  # the common case first (bool is a subclass of int, not int itself)
+        return value if lo <= value <= hi else None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):  # np.bool_ is no np.integer
+        return None
+    v = int(value)
+    return v if lo <= v <= hi else None
+
+
+def _int_vector(value: Any, lo: int, hi: int) -> tuple[np.ndarray | None, str]:
+    """(int64 array, "") for a 1-D sequence of integers in ``[lo, hi]``, else (None, what is wrong with it).
+
+    Nothing is truncated or wrapped: floats, bools, strings, nested or masked input are refused.
+    """
+    if isinstance(value, np.ndarray):
+        if type(value) is not np.ndarray:
+            return None, f"a {type(value).__name__} (an ndarray subclass)"
+        if value.dtype.kind not in "iu":
+            return None, f"a {value.dtype} array"
+        if value.ndim != 1:
+            return None, f"an array of shape {value.shape}"
+        outside = np.flatnonzero((value < lo) | (value > hi))  # numpy compares with Python ints exactly
+        if outside.size:
+            i = int(outside[0])
+            return None, f"element [{i}] = {value[i]} outside [{lo}, {hi}]"
+        return value.astype(np.int64), ""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        return None, _short(value)
+    for i, x in enumerate(value):
+        if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer):
+            return None, f"{_short(value)}: element [{i}] is {_short(x, 30)}"
+        if not lo <= int(x) <= hi:
+            return None, f"{_short(value)}: element [{i}] = {x} outside [{lo}, {hi}]"
+    return np.array([int(x) for x in value], dtype=np.int64), ""
 
 
 class BatchBuilder:
@@ -57,9 +116,17 @@ class BatchBuilder:
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
             ) -> None:
-        """Queue one request for the next :meth:`build` (checked there, all requests at once)."""
-        tids = None if token_ids is None else np.asarray(token_ids)
-        self._pending.append(RequestSpec(request_id, num_cached, num_new, tids))
+        """Queue one request for the next :meth:`build` (checked there, all requests at once).
+
+        request_id, num_cached and num_new must be Python or numpy integers (not bool, float or str);
+        token_ids a 1-D integer sequence of ``num_new`` ids. They are copied, not converted: a wrong type is
+        reported by ``build()``, never truncated.
+        """
+        if isinstance(token_ids, np.ndarray):
+            token_ids = token_ids.copy()           # keeps a subclass, so build() can refuse it
+        elif isinstance(token_ids, list):
+            token_ids = list(token_ids)
+        self._pending.append(RequestSpec(request_id, num_cached, num_new, token_ids))  # type: ignore[arg-type]
 
     def clear(self) -> None:
         """Drop the queued requests."""
@@ -72,57 +139,96 @@ class BatchBuilder:
         None leaves them out, or an explicit list of group rows.
         On any error nothing is allocated and the queue is kept, so the caller can fix and retry.
         """
-        specs = list(self._pending)
-        self._check_specs(specs)
+        specs, rows = self._check_specs(list(self._pending), logit_rows)
         ids = [s.request_id for s in specs]
         starts = np.array([s.num_cached for s in specs], dtype=np.int64)
         lengths = np.array([s.num_new for s in specs], dtype=np.int64)
         plan = self.allocator.plan(ids, starts, starts + lengths)
-        batch = self._assemble(specs, starts, lengths, plan, logit_rows)
+        batch = self._assemble(specs, starts, lengths, plan, rows)
         self.allocator.commit(plan)
         self._pending.clear()
         return batch
 
     # ------------------------------------------------------------------ internals
-    def _check_specs(self, specs: list[RequestSpec]) -> None:
+    def _check_specs(self, queued: list[RequestSpec], logit_rows: Any
+                     ) -> tuple[list[RequestSpec], str | np.ndarray | None]:
+        """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once."""
         issues: list[Issue] = []
         seen: set[int] = set()
         max_pos = self.config.max_position_embeddings
+        specs: list[RequestSpec] = []
 
-        def bad(i: int, msg: str, expected: Any, actual: Any) -> None:
-            issues.append(Issue("builder.request", "requests", msg, index=i, request=i, expected=expected,
-                                actual=actual))
+        def bad(i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
+            issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected,
+                                actual=actual, fix=fix))
 
-        for i, s in enumerate(specs):  # per-request checks: the builder's input is a list of requests
-            if not isinstance(s.request_id, int | np.integer) or s.request_id in seen:
-                bad(i, "request ids must be unique integers", "unique int", s.request_id)
-            seen.add(s.request_id)
-            if s.num_cached < 0 or s.num_new < 0:
-                bad(i, "token counts must be >= 0", ">= 0", (s.num_cached, s.num_new))
-            elif s.num_cached + s.num_new > max_pos:
-                bad(i, f"context would exceed max_position_embeddings={max_pos}", f"<= {max_pos}",
-                    s.num_cached + s.num_new)
-            if s.num_new == 0 and not self.policy.allow_empty_requests:
-                bad(i, "zero-length request not allowed by policy", "> 0", 0)
-            if self.allocator.knows(s.request_id):
-                have = self.allocator.cached_tokens(s.request_id)
-                if s.num_cached != have:
-                    bad(i, "a continued request must start where its previous chunk ended", have, s.num_cached)
-            if s.token_ids is not None and s.token_ids.shape != (s.num_new,):
-                bad(i, "token_ids must hold one id per new token", (s.num_new,), s.token_ids.shape)
-        total = sum(s.num_new for s in specs)
-        if not specs or not 1 <= total <= self.policy.token_cap:
-            issues.append(Issue("qsl.token_count", "requests", "a batch needs 1..token_cap new tokens",
-                                expected=f"1..{self.policy.token_cap}", actual=total))
-        with_ids = {s.token_ids is None for s in specs}
+        for i, s in enumerate(queued):  # per-request checks: the builder's input is a list of requests
+            rid = _exact_int(s.request_id, *_INT64)
+            if rid is None:
+                bad(i, "request_id", f"request_id must be an integer within int64, got {_short(s.request_id)}",
+                    "int64 integer", _short(s.request_id), _ID_FIX)
+            elif rid in seen:
+                bad(i, "request_id", f"request_id {rid} is already in this step", "unique id", rid,
+                    f"add request {rid} once per step (queue its later tokens as the next step's chunk)")
+            else:
+                seen.add(rid)
+            cached, new = _exact_int(s.num_cached, *_COUNT), _exact_int(s.num_new, *_COUNT)
+            for arg, value, exact in (("num_cached", s.num_cached, cached), ("num_new", s.num_new, new)):
+                if exact is None:
+                    bad(i, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0", _short(value))
+            if cached is not None and new is not None:
+                if cached + new > max_pos:
+                    bad(i, "num_new", f"context num_cached + num_new = {cached + new} would exceed "
+                        f"max_position_embeddings={max_pos}", f"<= {max_pos}", cached + new,
+                        f"stop the request at max_position_embeddings={max_pos}: at most "
+                        f"num_new={max(0, max_pos - cached)} after num_cached={cached}")
+                if new == 0 and not self.policy.allow_empty_requests:
+                    bad(i, "num_new", "zero-length request not allowed by policy", "> 0", 0,
+                        "drop the request from this step or set PaddingPolicy(allow_empty_requests=True)")
+            if rid is not None and cached is not None and self.allocator.knows(rid):
+                have = self.allocator.cached_tokens(rid)
+                if cached != have:
+                    bad(i, "num_cached", f"request {rid} continues after {have} cached tokens, got "
+                        f"num_cached={cached}", have, cached,
+                        f"pass num_cached={have} (the tokens its earlier chunks cached) or release request {rid} "
+                        "first")
+            tids = None
+            if s.token_ids is not None:
+                tids, problem = _int_vector(s.token_ids, *_INT64)
+                if tids is None:
+                    bad(i, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                        "1-D integer sequence", problem, _IDS_FIX)
+                elif new is not None and tids.shape != (new,):
+                    bad(i, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
+                        f"num_new={new}", (new,), tids.shape, f"pass exactly num_new={new} token_ids")
+            exact = tids is None and s.token_ids is None and type(s.request_id) is type(s.num_cached) is \
+                type(s.num_new) is int
+            specs.append(s if exact else RequestSpec(rid, cached, new, tids))  # type: ignore[arg-type]
+        if all(s.num_new is not None for s in specs):
+            total = sum(s.num_new for s in specs)
+            if not specs or not 1 <= total <= self.policy.token_cap:
+                issues.append(Issue("qsl.token_count", "requests", "a batch needs 1..token_cap new tokens",
+                                    expected=f"1..{self.policy.token_cap}", actual=total,
+                                    fix=EMPTY_BATCH_FIX if total < 1 else None))
+        with_ids = {s.token_ids is None for s in queued}
         if len(with_ids) > 1:
             issues.append(Issue("builder.request", "token_ids", "give token ids for every request or none",
-                                expected="all or none", actual="some"))
+                                expected="all or none", actual="some",
+                                fix="pass token_ids to every add() of the step, or to none"))
+        rows: str | np.ndarray | None = logit_rows
+        if not (logit_rows is None or (isinstance(logit_rows, str) and logit_rows == "last")):
+            vec, problem = _int_vector(logit_rows, *_INT32)
+            if vec is None:
+                issues.append(Issue("builder.request", "logit_rows", "logit_rows must be 'last', None or a 1-D "
+                                    f"sequence of int32 group rows, got {problem}", expected="'last', None or "
+                                    "int32 rows", actual=problem, fix=_ROWS_FIX))
+            rows = None if vec is None else vec.astype(np.int32)
         if issues:
             raise ABIError(issues)
+        return specs, rows
 
     def _assemble(self, specs: list[RequestSpec], starts: np.ndarray, lengths: np.ndarray, plan: StepPlan,
-                  logit_rows: str | Sequence[int] | None) -> PackedBatch:
+                  logit_rows: str | np.ndarray | None) -> PackedBatch:
         layout, policy = self.config.layout, self.policy
         qsl = np.zeros(len(specs) + 1, dtype=np.int32)
         np.cumsum(lengths, out=qsl[1:])
@@ -143,7 +249,6 @@ class BatchBuilder:
                 t[_index(plan.rows, r_rows), r_pages] = -1
             if m_rows.size:
                 t[_index(plan.rows, m_rows), m_pages] = m_blocks
-            t.flags.writeable = False
             tables[p] = t
 
         slots = {}
@@ -159,24 +264,24 @@ class BatchBuilder:
             w = np.flatnonzero(write)
             blk = tables[p][row_req[w], logical[w] // pl.page_size].astype(np.int64)
             s[w] = blk * pl.page_size + logical[w] % pl.page_size
-            s.flags.writeable = False
             slots[p] = s
 
         token_ids = None
         if specs and specs[0].token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = np.concatenate([s.token_ids for s in specs if s.token_ids is not None])
-        if logit_rows == "last":
-            rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32)
-        elif logit_rows is None:
-            rows = None
-        else:
-            rows = np.asarray(logit_rows, dtype=np.int32)
-        request_ids = np.array([s.request_id for s in specs], dtype=np.int64)
-        return PackedBatch(config=self.config, policy=policy, pool_blocks=self.allocator.pool_blocks,
-                           query_start_loc=qsl, positions=positions, tables=RequestTables(**tables),
-                           slots=SlotMappings(**slots), request_ids=request_ids, token_ids=token_ids,
-                           logit_rows=rows)
+        last = isinstance(logit_rows, str)  # "last": anything else was refused by _check_specs
+        rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32) if last else logit_rows
+        arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": request_ids_of(specs)}
+        arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
+        arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
+        # validated on these private arrays (numpy memory, fast to gather from), then frozen: copied once
+        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks)
+
+
+def request_ids_of(specs: list[RequestSpec]) -> np.ndarray:
+    """[R] int64 serving ids of checked requests."""
+    return np.array([s.request_id for s in specs], dtype=np.int64)
 
 
 def _index(rows: np.ndarray, wanted: np.ndarray) -> np.ndarray:

@@ -2,41 +2,107 @@
 
     dspark-abi build --request 3@126 --request 4@30 --tp 2      # readable layout per rank
     dspark-abi build --request 3@126 --tp 2 --json               # machine output
-    dspark-abi show batch.safetensors                            # the same for a saved batch
+    dspark-abi show batch.safetensors                            # the same for a saved batch, valid or not,
+                                                                 # then its issues (exit 0/1/2 like validate)
+
+Command-line mistakes end in one line on stderr, ``dspark-abi ...: error: what is wrong and the fix``, exit 2
+(usage) or 1 (the batch or the run failed); ``--save`` and ``--png`` say ``wrote PATH`` on stderr, so stdout
+holds only the layout (one JSON document with ``--json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import re
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
+import attrs
 import numpy as np
 
 from dspark_abi.allocator import BlockAllocator
-from dspark_abi.batch import PackedBatch, PoolBlocks
+from dspark_abi.batch import SLOT_FIELDS, PackedBatch, PoolBlocks
 from dspark_abi.builder import BatchBuilder
-from dspark_abi.cli_files import add_file_commands
+from dspark_abi.cli_files import add_file_commands, print_result, printable
 from dspark_abi.errors import ABIError
 from dspark_abi.layout import POOL_NAMES
+from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.presets import PRESETS, get_preset
 
-_REQUEST = re.compile(r"^(\d+)@(\d+)$")
+if TYPE_CHECKING:
+    from dspark_abi.fixtures import FixtureFile
+
 #: Short column names for the seven slot mappings in the text layout.
 _SHORT = {"ori": "ori", "csa_cmp": "c4", "hca_cmp": "c128", "idx": "idx", "csa_state": "s4",
           "csa_inner_state": "si", "hca_state": "s128"}
+#: Largest --pool-blocks: the allocator holds a free list per pool (4 bytes a block, seven pools).
+MAX_POOL_BLOCKS = 1 << 20
+
+
+class CommandError(Exception):
+    """A failed run with a one-line reason (printed as ``prog: error: reason``): exit 1."""
+
+    exit_code = 1
+
+
+class UsageError(CommandError):
+    """A command-line mistake found after parsing (e.g. an output directory that does not exist): exit 2."""
+
+    exit_code = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``prog: error: what is wrong (see prog --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
 
 
 def parse_request(text: str) -> tuple[int, int]:
-    """'TOKENS@CACHED' -> (new tokens, cached tokens)."""
-    m = _REQUEST.match(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"request {text!r} must look like TOKENS@CACHED, e.g. 3@126")
-    return int(m.group(1)), int(m.group(2))
+    """'TOKENS@CACHED' -> (new tokens, cached tokens), both non-negative integers."""
+    example = "TOKENS@CACHED, e.g. 3@126"
+    parts = text.strip().split("@")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"request {text!r} must look like {example}")
+    values = []
+    for what, part in zip(("new tokens", "cached tokens"), parts, strict=True):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()):
+            raise argparse.ArgumentTypeError(f"request {text!r}: {what} must be a non-negative integer, got "
+                                             f"{part!r} ({example})")
+        values.append(int(part))
+    return values[0], values[1]
+
+
+def _int_in(text: str, lo: int, hi: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{what} must be an integer in [{lo}, {hi}], got {text!r}")
+    return value
+
+
+def _tp_size(text: str) -> int:
+    """--tp: PaddingPolicy's bounds on tp_size (a TP larger than the tokens is fine: idle ranks get padding)."""
+    bounds = {k: getattr(m, k) for m in PaddingPolicy.model_fields["tp_size"].metadata for k in ("ge", "le")
+              if hasattr(m, k)}
+    return _int_in(text, bounds["ge"], bounds["le"], "TP size")
+
+
+def _pool_blocks(text: str) -> int:
+    try:
+        return _int_in(text, 1, MAX_POOL_BLOCKS, "pool blocks")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"pool blocks must be an integer >= 1 (at most {MAX_POOL_BLOCKS}), got "
+                                         f"{text!r}; leave --pool-blocks out to size the pools to fit") from None
 
 
 def build_batch(config_name: str, requests: Sequence[tuple[int, int]], tp: int, pool_blocks: int | None = None,
@@ -53,44 +119,112 @@ def build_batch(config_name: str, requests: Sequence[tuple[int, int]], tp: int, 
 
 
 def _pages_needed(config, new: int, cached: int) -> int:  # type: ignore[no-untyped-def]
+    # clipped to the model's context: the builder reports a request beyond it (instead of huge pools being made)
+    stop = min(cached + new, config.max_position_embeddings)
+    start = min(cached, stop)
     worst = 0
     for pl in config.layout:
-        lo, hi = config.layout.read_range(pl.name, cached, cached + new)
+        lo, hi = config.layout.read_range(pl.name, start, stop)
         worst = max(worst, -(-(hi - lo) // pl.page_size) + 1)
     return worst
 
 
-def layout_rows(batch: PackedBatch) -> list[dict]:
+# ---------------------------------------------------------------------------------------------- layout views
+#: Shape-level issues on these fields leave no geometry to draw (row ownership, positions, slots).
+_LAYOUT_FIELDS = frozenset({"query_start_loc", "positions", "request_ids", *SLOT_FIELDS.values()})
+_NO_GEOMETRY = frozenset({"array.missing", "array.dtype", "array.shape", "geometry.rows", "qsl.shape", "qsl.start",
+                          "qsl.non_monotonic", "qsl.token_count"})
+
+
+@attrs.frozen(eq=False)
+class Layout:
+    """What the layout views show: geometry, the request of every row, positions and the seven slot mappings.
+
+    From a valid :class:`PackedBatch` (:meth:`of_batch`) or from a fixture's arrays, valid or not, whenever
+    their geometry is readable (:meth:`of_fixture`).
+    """
+
+    config_name: str
+    tp_size: int
+    query_start_loc: np.ndarray
+    request_ids: np.ndarray
+    positions: np.ndarray
+    slots: dict[str, np.ndarray]
+
+    @classmethod
+    def of_batch(cls, batch: PackedBatch) -> Layout:
+        ids = batch.request_ids if batch.request_ids is not None else np.arange(batch.num_requests)
+        return cls(batch.config.name, batch.tp_size, batch.query_start_loc, ids, batch.positions,
+                   {p: batch.slots[p] for p in POOL_NAMES})
+
+    @classmethod
+    def of_fixture(cls, fixture: FixtureFile) -> Layout | None:
+        """The layout of a fixture's arrays, or None when shape-level issues leave nothing drawable."""
+        m, arrays = fixture.manifest, fixture.arrays
+        shape_issues = fixture.validate("shape").issues
+        if any(i.code in _NO_GEOMETRY and i.field in _LAYOUT_FIELDS for i in shape_issues):
+            return None
+        qsl = arrays["query_start_loc"]
+        ids = arrays.get("request_ids")
+        return cls(m.config.name, m.policy.tp_size, qsl, np.arange(len(qsl) - 1) if ids is None else ids,
+                   arrays["positions"], {p: arrays[SLOT_FIELDS[p]] for p in POOL_NAMES})
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_start_loc) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def padded_rows(self) -> int:
+        return len(self.positions)
+
+    @property
+    def local_rows(self) -> int:
+        return self.padded_rows // self.tp_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config_name, "tp_size": self.tp_size, "num_requests": self.num_requests,
+                "num_tokens": self.num_tokens, "padded_rows": self.padded_rows, "local_rows": self.local_rows,
+                "query_start_loc": self.query_start_loc.tolist(), "request_ids": self.request_ids.tolist(),
+                "rows": layout_rows(self)}
+
+
+def _layout(batch: PackedBatch | Layout) -> Layout:
+    return batch if isinstance(batch, Layout) else Layout.of_batch(batch)
+
+
+def layout_rows(batch: PackedBatch | Layout) -> list[dict]:
     """One dict per group row: rank, row, request index and id, position, the seven slots."""
-    out = []
-    for r in range(batch.tp_size):
-        view = batch.rank(r)
-        for i in range(batch.local_rows):
-            row = view.row_start + i
-            req = int(view.local_request_ids[i])
-            out.append({
-                "rank": r, "row": row, "local_row": i, "request": req,
-                "request_id": int(batch.request_ids[req]) if req >= 0 else None,
-                "position": int(batch.positions[row]),
-                "slots": {p: int(batch.slots[p][row]) for p in POOL_NAMES},
-            })
-    return out
+    lay = _layout(batch)
+    local = max(lay.local_rows, 1)
+    req = lower_local_request_ids(lay.query_start_loc, 0, lay.padded_rows)
+    ids = np.where(req >= 0, lay.request_ids[np.maximum(req, 0)], -1)
+    columns = zip(range(lay.padded_rows), req.tolist(), ids.tolist(), lay.positions.tolist(),
+                  *(lay.slots[p].tolist() for p in POOL_NAMES), strict=True)
+    return [{"rank": row // local, "row": row, "local_row": row % local, "request": r,
+             "request_id": i if r >= 0 else None, "position": pos, "slots": dict(zip(POOL_NAMES, slots, strict=True))}
+            for row, r, i, pos, *slots in columns]
 
 
-def render_text(batch: PackedBatch) -> str:
+def render_text(batch: PackedBatch | Layout) -> str:
     """Readable layout: geometry header, then per rank each row's request, position and slots."""
+    lay = _layout(batch)
     lines = [
-        f"config={batch.config.name} TP={batch.tp_size} R={batch.num_requests} N={batch.num_tokens} "
-        f"P={batch.padded_rows} L={batch.local_rows}",
-        f"query_start_loc={batch.query_start_loc.tolist()}",
+        f"config={printable(lay.config_name)} TP={lay.tp_size} R={lay.num_requests} N={lay.num_tokens} "
+        f"P={lay.padded_rows} L={lay.local_rows}",
+        f"query_start_loc={lay.query_start_loc.tolist()}",
     ]
     header = f"{'row':>5} {'req':>4} {'pos':>6} " + " ".join(f"{_SHORT[p]:>7}" for p in POOL_NAMES)
-    for r in range(batch.tp_size):
-        view = batch.rank(r)
-        lines.append(f"rank {r}: rows [{view.row_start}, {view.row_stop}) "
-                     f"local_request_ids={view.local_request_ids.tolist()}")
+    rows = layout_rows(lay)
+    for r in range(lay.tp_size):
+        mine = rows[r * lay.local_rows:(r + 1) * lay.local_rows]
+        lines.append(f"rank {r}: rows [{r * lay.local_rows}, {(r + 1) * lay.local_rows}) "
+                     f"local_request_ids={[row['request'] for row in mine]}")
         lines.append("  " + header)
-        for row in layout_rows(batch)[r * batch.local_rows:(r + 1) * batch.local_rows]:
+        for row in mine:
             req = "pad" if row["request"] < 0 else str(row["request"])
             slots = " ".join(f"{row['slots'][p]:>7}" for p in POOL_NAMES)
             lines.append(f"  {row['row']:>5} {req:>4} {row['position']:>6} {slots}")
@@ -98,101 +232,166 @@ def render_text(batch: PackedBatch) -> str:
     return "\n".join(lines)
 
 
-def render_json(batch: PackedBatch) -> str:
-    return json.dumps({
-        "config": batch.config.name, "tp_size": batch.tp_size, "num_requests": batch.num_requests,
-        "num_tokens": batch.num_tokens, "padded_rows": batch.padded_rows, "local_rows": batch.local_rows,
-        "query_start_loc": batch.query_start_loc.tolist(), "request_ids": batch.request_ids.tolist(),
-        "rows": layout_rows(batch),
-    }, indent=2)
+def render_json(batch: PackedBatch | Layout) -> str:
+    return json.dumps(_layout(batch).to_dict(), indent=2)
 
 
-def render_png(batch: PackedBatch, path: str) -> None:
+def render_png(batch: PackedBatch | Layout, path: str) -> None:
     """Picture of the row layout: one colored cell per row and rank, labelled with request and position."""
-    try:
-        import matplotlib
+    import matplotlib  # checked by _check_png before any work
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # optional extra
-        raise SystemExit("--png needs matplotlib: pip install 'dspark[plot]'") from exc
-    rows = layout_rows(batch)
-    fig, ax = plt.subplots(figsize=(max(4, 1.1 * batch.local_rows), 0.9 * batch.tp_size + 1))
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lay = _layout(batch)
+    rows = layout_rows(lay)
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * lay.local_rows), 0.9 * lay.tp_size + 1))
     cmap = plt.get_cmap("tab20")
     for row in rows:
-        x, y = row["local_row"], batch.tp_size - 1 - row["rank"]
+        x, y = row["local_row"], lay.tp_size - 1 - row["rank"]
         color = "#dddddd" if row["request"] < 0 else cmap(row["request"] % 20)
         ax.add_patch(plt.Rectangle((x, y), 0.95, 0.9, color=color))
         label = "pad" if row["request"] < 0 else f"r{row['request']}\np{row['position']}"
         ax.text(x + 0.47, y + 0.45, label, ha="center", va="center", fontsize=8)
-    ax.set_xlim(0, batch.local_rows)
-    ax.set_ylim(0, batch.tp_size)
-    ax.set_yticks([batch.tp_size - 1 - r + 0.45 for r in range(batch.tp_size)], [f"rank {r}" for r in range(
-        batch.tp_size)])
+    ax.set_xlim(0, max(lay.local_rows, 1))
+    ax.set_ylim(0, lay.tp_size)
+    ax.set_yticks([lay.tp_size - 1 - r + 0.45 for r in range(lay.tp_size)], [f"rank {r}" for r in range(
+        lay.tp_size)])
     ax.set_xticks([])
-    ax.set_title(f"N={batch.num_tokens} P={batch.padded_rows} L={batch.local_rows} "
-                 f"qsl={batch.query_start_loc.tolist()}")
+    ax.set_title(f"N={lay.num_tokens} P={lay.padded_rows} L={lay.local_rows} "
+                 f"qsl={lay.query_start_loc.tolist()}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    finally:
+        plt.close(fig)
 
 
-def _emit(batch: PackedBatch, args: argparse.Namespace) -> int:
-    print(render_json(batch) if args.json else render_text(batch))
-    if getattr(args, "png", None):
-        render_png(batch, args.png)
-    return 0
+# ---------------------------------------------------------------------------------------------- commands
+def _check_output(option: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written, before any work is done (a usage error)."""
+    if path is None:
+        return
+    target = Path(path)
+    parent = target.parent
+    shown = printable(path)
+    if target.is_dir():
+        example = target / ("layout.png" if option == "--png" else "batch.safetensors")
+        raise UsageError(f"{option} {shown}: is a directory; give a file name inside it, e.g. {printable(example)}")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"{option} {shown}: directory {printable(parent)} {what}; create it first (mkdir -p "
+                         f"{printable(parent)}) or write somewhere else")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{option} {shown}: directory {printable(parent)} is not writable; write somewhere else")
+
+
+def _check_png(path: str | None) -> None:
+    _check_output("--png", path)
+    if path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--png needs matplotlib: pip install 'dspark[plot]'")
+
+
+def _write(option: str, path: str, write: Any) -> None:
+    """Run ``write()``, then say 'wrote PATH' on stderr (stdout stays the layout, e.g. one JSON document)."""
+    try:
+        write()
+    except OSError as exc:
+        raise CommandError(f"{option} {printable(path)}: cannot write: {exc.strerror or exc}") from None
+    print(f"wrote {printable(path)}", file=sys.stderr)
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
+    _check_output("--save", args.save)
+    _check_png(args.png)
     batch = build_batch(args.config, args.request, args.tp, args.pool_blocks, args.pad_position)
     if args.save:
         from dspark_abi import fixtures
 
-        fixtures.save(args.save, batch)
-    return _emit(batch, args)
+        _write("--save", args.save, lambda: fixtures.save(args.save, batch))
+    lay = Layout.of_batch(batch)
+    print(render_json(lay) if args.json else render_text(lay))
+    if args.png:
+        _write("--png", args.png, lambda: render_png(lay, args.png))
+    return 0
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from dspark_abi import fixtures
+    """Layout when the geometry is readable, then every issue; exit 0 valid, 1 invalid, 2 unreadable."""
+    from dspark_abi.conformance import inspect_file
 
-    return _emit(fixtures.load(args.file).batch, args)
+    _check_png(args.png)
+    result, fixture = inspect_file(args.file)
+    lay = None if fixture is None else Layout.of_fixture(fixture)
+    if args.json:
+        doc = result.to_dict() | (lay.to_dict() if lay is not None else {})
+        print(json.dumps(doc, indent=2))
+    else:
+        if lay is not None:
+            print(render_text(lay))
+        if result.issues:
+            print_result(result)
+    if args.png:
+        if lay is None:
+            print(f"--png {printable(args.png)}: not drawn, the file has no readable layout (see the issues)",
+                  file=sys.stderr)
+        else:
+            _write("--png", args.png, lambda: render_png(lay, args.png))
+    return result.exit_code
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dspark-abi", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="dspark-abi", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build a packed batch from TOKENS@CACHED requests and show its layout")
     build.add_argument("--config", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
     build.add_argument("--request", action="append", type=parse_request, required=True, metavar="TOKENS@CACHED",
                        help="one request: new tokens @ already cached tokens (repeatable)")
-    build.add_argument("--tp", type=int, default=1, help="TP group size (default 1)")
-    build.add_argument("--pool-blocks", type=int, default=None, help="blocks per pool (default: sized to fit)")
+    build.add_argument("--tp", type=_tp_size, default=1, help="TP group size, 1..64 (default 1)")
+    build.add_argument("--pool-blocks", type=_pool_blocks, default=None, metavar="N",
+                       help=f"blocks per pool, 1..{MAX_POOL_BLOCKS} (default: sized to fit)")
     build.add_argument("--pad-position", choices=["zero", "continue"], default="zero")
     build.add_argument("--json", action="store_true", help="machine-readable output")
     build.add_argument("--png", metavar="FILE", help="also draw the layout to a PNG (needs matplotlib)")
     build.add_argument("--save", metavar="FILE", help="also write the batch as a fixture file")
     build.set_defaults(func=_cmd_build)
-    show = sub.add_parser("show", help="show the layout of a saved batch fixture")
-    show.add_argument("file")
-    show.add_argument("--json", action="store_true")
-    show.add_argument("--png", metavar="FILE")
+    show = sub.add_parser("show", help="show the layout of a fixture, then its issues (exit 0/1/2 like validate)",
+                          description="Show a fixture's layout (also of an invalid batch whose geometry is "
+                                      "readable), then every issue: exit 0 valid, 1 invalid, 2 unreadable.")
+    show.add_argument("file", metavar="FILE")
+    show.add_argument("--json", action="store_true", help="one JSON document: the validate fields plus the layout")
+    show.add_argument("--png", metavar="FILE", help="also draw the layout to a PNG (needs matplotlib)")
     show.set_defaults(func=_cmd_show)
     add_file_commands(sub)
     return parser
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    """Parse, run the chosen subcommand, print ABI errors to stderr with exit code 1."""
+    """Parse and run the chosen subcommand; returns the exit code instead of raising.
+
+    Usage errors exit 2 (argparse's own, :class:`UsageError`), ABI errors and :class:`CommandError` exit 1,
+    each as ``prog: error: ...`` on stderr (ABI errors: one line per issue); Ctrl-C exits 130.
+    """
     if hasattr(signal, "SIGPIPE"):  # `dspark... | head` ends quietly, like other command-line tools
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error it already printed (2)
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     try:
         return int(args.func(args))
     except ABIError as exc:
-        print(str(exc), file=sys.stderr)
+        issues = [printable(i) for i in exc.issues]
+        head = issues[0] if len(issues) == 1 else f"{len(issues)} ABI issues:"
+        print("\n".join([f"{parser.prog}: error: {head}", *(f"  - {i}" for i in issues if len(issues) > 1)]),
+              file=sys.stderr)
         return 1
+    except CommandError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

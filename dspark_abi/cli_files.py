@@ -1,11 +1,12 @@
-"""File subcommands of the ``dspark-abi`` CLI: ``validate FILE...`` and ``conformance DIR``.
+"""File subcommands of the ``dspark-abi`` CLI: ``validate FILE...`` and ``conformance [DIR]``.
 
 ``add_file_commands(subparsers)`` registers both on an argparse parser; each sets ``func`` (args -> exit
 code). ``python -m dspark_abi.cli_files`` runs them standalone.
 
 validate: exit 0 when every file is valid, 1 when one is invalid, 2 when one cannot be read (the
 highest wins). ``--json`` prints one JSON object per file, one per line (the conformance protocol).
-Files are opened read-only and never modified.
+Files are opened read-only and never modified. Text output escapes every string that comes from a file
+or a path (tensor names, messages, values): a name cannot move the cursor, clear the screen or break a line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import json
 import sys
 from typing import Any
 
-from dspark_abi.conformance import FileResult, check_file, format_table, run
+from dspark_abi.conformance import FileResult, check_file, default_vectors_dir, format_table, printable, run
+
+__all__ = ["add_file_commands", "cmd_conformance", "cmd_validate", "main", "print_result", "printable"]
 
 
 def add_file_commands(subparsers: Any) -> None:
@@ -29,8 +32,10 @@ def add_file_commands(subparsers: Any) -> None:
     v.set_defaults(func=cmd_validate)
 
     c = subparsers.add_parser("conformance", help="run the conformance vectors and print a pass/fail table",
-                              description="Check every vector listed in DIR/index.json; exit 1 on any failure.")
-    c.add_argument("directory", metavar="DIR", help="vectors directory, e.g. spec/v1/vectors")
+                              description="Check every vector listed in DIR/index.json (default: the vectors "
+                                          "installed with dspark_abi); exit 1 on any failure.")
+    c.add_argument("directory", metavar="DIR", nargs="?", default=None,
+                   help="vectors directory, e.g. spec/v1/vectors (default: the vectors shipped with the package)")
     c.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     c.add_argument("--command", metavar="CMD", default=None,
                    help="check another implementation: run CMD per file ('{path}' is replaced by the file); it "
@@ -40,17 +45,18 @@ def add_file_commands(subparsers: Any) -> None:
 
 
 def _value(v: Any) -> str:
-    return "-" if v is None else json.dumps(v) if not isinstance(v, str) else v
+    return printable("-" if v is None else json.dumps(v) if not isinstance(v, str) else v)
 
 
-def _print_text(result: FileResult) -> None:
+def print_result(result: FileResult) -> None:
+    """The text form of one file's result: ``PATH: status (n issues)``, then two lines per issue."""
     n = len(result.issues)
-    print(f"{result.path}: {result.status}" + (f" ({n} issue{'s' if n != 1 else ''})" if n else ""))
+    print(f"{printable(result.path)}: {result.status}" + (f" ({n} issue{'s' if n != 1 else ''})" if n else ""))
     for i in result.issues:
         d = i.to_dict()
-        print(f"  {i.code}  field={i.field}  index={_value(d['index'])}  request={_value(d['request'])}  "
+        print(f"  {i.code}  field={printable(i.field)}  index={_value(d['index'])}  request={_value(d['request'])}  "
               f"expected={_value(d['expected'])}  actual={_value(d['actual'])}  count={i.count}")
-        print(f"      {i.message}. Fix: {i.hint}")
+        print(f"      {printable(i.message)}. Fix: {printable(i.hint)}")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -60,14 +66,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result.to_dict(), sort_keys=True))
         else:
-            _print_text(result)
+            print_result(result)
         worst = max(worst, result.exit_code)
     return worst
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
+    directory = args.directory if args.directory is not None else default_vectors_dir()
+    if directory is None:
+        print("error: this installation ships no conformance vectors; pass the vectors directory: dspark-abi "
+              "conformance DIR (e.g. spec/v1/vectors of a dspark checkout)", file=sys.stderr)
+        return 2
     try:
-        rows = run(args.directory, command=args.command, timeout=args.timeout)
+        rows = run(directory, command=args.command, timeout=args.timeout)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

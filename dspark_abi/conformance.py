@@ -14,11 +14,12 @@ and exit 0 (valid), 1 (invalid) or 2 (unreadable). ``dspark-abi validate --json 
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 from pydantic import ValidationError
@@ -26,6 +27,9 @@ from pydantic import ValidationError
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.manifest import Expectation
 from dspark_abi.validate import Level
+
+if TYPE_CHECKING:
+    from dspark_abi.fixtures import FixtureFile
 
 Status = Literal["valid", "invalid", "unreadable"]
 EXIT_CODES: dict[str, int] = {"valid": 0, "invalid": 1, "unreadable": 2}
@@ -56,15 +60,37 @@ class FileResult:
 
 def check_file(path: str | Path, level: Level = "full") -> FileResult:
     """Read (file level) and validate (ABI level) one fixture file; never raises for bad files."""
+    return inspect_file(path, level)[0]
+
+
+def inspect_file(path: str | Path, level: Level = "full") -> tuple[FileResult, FixtureFile | None]:
+    """:func:`check_file`'s result and the file as read (None when unreadable), e.g. to show an invalid batch."""
     from dspark_abi.fixtures import read
 
     try:
         fixture = read(path)
     except ABIError as exc:
-        return FileResult(str(path), "unreadable", exc.issues)
+        return FileResult(str(path), "unreadable", exc.issues), None
     report = fixture.validate(level)
-    return FileResult(str(path), "valid" if report.ok else "invalid", report.issues,
-                      fixture.manifest.format_version)
+    result = FileResult(str(path), "valid" if report.ok else "invalid", report.issues, fixture.manifest.format_version)
+    return result, fixture
+
+
+def _package_root() -> Path:
+    return Path(str(importlib.resources.files("dspark_abi")))
+
+
+def default_vectors_dir() -> Path | None:
+    """The conformance vectors installed with the package, else those of a source checkout, else None.
+
+    Looked up in order: ``dspark_abi/spec_v1/vectors`` inside the installed package (a wheel ships ``spec/v1``
+    there, see ``pyproject.toml``), then ``spec/v1/vectors`` next to the package directory (a checkout).
+    """
+    root = _package_root()
+    for candidate in (root / "spec_v1" / "vectors", root.parent / "spec" / "v1" / "vectors"):
+        if (candidate / INDEX_NAME).is_file():
+            return candidate
+    return None
 
 
 @attrs.frozen
@@ -173,17 +199,27 @@ def _run_external(command: str, path: Path, timeout: float) -> tuple[Status, tup
     return status, codes
 
 
+def printable(text: object) -> str:
+    """``str(text)`` safe to print as part of one terminal line.
+
+    Characters that are not printable (control characters such as ESC of ANSI sequences, line breaks,
+    lone surrogates, which cannot even be encoded) are shown as Python escapes: ``\\x1b``, ``\\n``, ``\\ud800``.
+    """
+    s = str(text)
+    return s if s.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in s)
+
+
 def format_table(rows: list[Row]) -> str:
     """Fixed-width pass/fail table with a summary line."""
-    width = max([len(r.file) for r in rows] + [6])
+    width = max([len(printable(r.file)) for r in rows] + [6])
 
     def show(codes: tuple[str, ...] | None) -> str:
-        return "-" if codes is None else (", ".join(codes) or "valid")
+        return "-" if codes is None else printable(", ".join(codes) or "valid")
 
     lines = [f"{'RESULT':6}  {'VECTOR':{width}}  {'EXPECTED':32}  ACTUAL"]
-    for r in rows:
-        tail = f"  ({r.detail})" if r.detail else ""
-        lines.append(f"{'pass' if r.passed else 'FAIL':6}  {r.file:{width}}  {show(r.expected):32}  "
+    for r in rows:  # file names, codes and details come from index.json or another program: escaped
+        tail = f"  ({printable(r.detail)})" if r.detail else ""
+        lines.append(f"{'pass' if r.passed else 'FAIL':6}  {printable(r.file):{width}}  {show(r.expected):32}  "
                      f"{show(r.actual)}{tail}")
     failed = sum(not r.passed for r in rows)
     lines.append(f"{len(rows)} vectors: {len(rows) - failed} passed, {failed} failed")

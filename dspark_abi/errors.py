@@ -29,7 +29,8 @@ CODES: dict[str, tuple[str, str]] = {
                       "size full arrays to P = align_up(N, TP) and local ones to L = P / TP"),
     # ---- arrays
     "array.missing": ("a required array is absent", "provide every required ABI field"),
-    "array.dtype": ("an array has the wrong dtype", "cast to the dtype the ABI names (int32 / int64 / float)"),
+    "array.dtype": ("an array has the wrong dtype or is not a plain numpy.ndarray (e.g. a masked array or matrix)",
+                    "cast to the dtype the ABI names (int32 / int64 / float)"),
     "array.shape": ("an array has the wrong rank or shape", "reshape to the symbolic shape the ABI names"),
     # ---- block tables
     "tables.request_count": ("a block table's dim 0 is not R = len(query_start_loc) - 1",
@@ -38,7 +39,8 @@ CODES: dict[str, tuple[str, str]] = {
                      "use ModelConfig.layout.pools[name].table_width columns"),
     "tables.block_range": ("a block-table entry read by this call is < -1 or >= the pool's block count",
                            "use -1 for unmapped pages and block ids in [0, pool_blocks)"),
-    "pools.blocks": ("pool block counts are missing or not positive", "give all seven pools >= 1 block"),
+    "pools.blocks": ("pool block counts are missing, not integers, not positive or too large for int32 slots",
+                     "give each of the seven pools an integer count of blocks in [1, (2**31 - 1) // page_size]"),
     # ---- positions
     "positions.negative": ("a live position is negative", "positions are absolute in-request indices >= 0"),
     "positions.not_contiguous": ("positions inside a request are not start, start+1, ...",
@@ -92,10 +94,21 @@ CODES: dict[str, tuple[str, str]] = {
     "fixture.tensors": ("a tensor is missing, unexpected, or has the wrong dtype, rank or values (e.g. NaN)",
                         "store exactly the tensors the manifest lists, with ABI dtypes and shapes"),
     # ---- serving-side builder
-    "builder.request": ("a request given to the builder is invalid", "see the message for the offending value"),
+    "builder.request": ("a request given to the builder is invalid",
+                        "pass request_id, num_cached and num_new as integers (Python or numpy, not bool, float or "
+                        "str), the counts >= 0"),
     "alloc.exhausted": ("a pool has too few free blocks for this step",
                         "release finished requests or allocate bigger pools; nothing was allocated"),
     "alloc.unknown_request": ("the allocator does not know this request id", "add it before use, release it once"),
+    "alloc.stale_plan": ("the allocator changed between plan and commit (another step was committed or a request "
+                         "released)",
+                         "hold allocator.lock around plan .. commit (e.g. around BatchBuilder.build) or build the "
+                         "step again; nothing was allocated"),
+    # ---- pypto backend
+    "kernel.index_range": ("an index a pypto kernel forms in fp32 reaches 2**24 and would round (flattened table "
+                           "entry, pool row or position)",
+                           "keep it below 2**24 = 16777216: fewer requests per call (R * table_width), smaller pools "
+                           "(blocks * page_size) or shorter contexts; nothing was launched"),
 }
 
 
@@ -112,6 +125,8 @@ class Issue:
     actual: Any = None
     count: int = 1
     """How many elements violate the rule (only the first, ``index``, is named)."""
+    fix: str | None = None
+    """The fix for this very issue when it is more specific than the code's generic hint."""
 
     def __attrs_post_init__(self) -> None:
         if self.code not in CODES:
@@ -119,7 +134,7 @@ class Issue:
 
     @property
     def hint(self) -> str:
-        return CODES[self.code][1]
+        return self.fix or CODES[self.code][1]
 
     def to_dict(self) -> dict[str, Any]:
         return {

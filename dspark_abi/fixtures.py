@@ -13,8 +13,11 @@ as ``extra.<name>`` (``extra.hidden`` = input hidden rows, checked by the valida
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,6 +48,11 @@ from dspark_abi.validate import Level, validate_arrays
 
 #: Largest accepted JSON header (bytes); a larger length field is treated as a hostile file.
 MAX_HEADER_BYTES = 1 << 20
+#: Most dimensions a stored tensor may declare (numpy 1.x arrays hold at most 32).
+MAX_DIMS = 32
+#: Bound on every dimension and on the product of the non-zero ones: a zero-size tensor cannot declare
+#: dimensions numpy would refuse to build (it checks them even when the array holds no element).
+MAX_ELEMENTS = 1 << 48
 
 #: numpy dtype name <-> safetensors dtype code (little-endian storage).
 _CODE_OF = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
@@ -157,8 +165,9 @@ def pack_header(header: Mapping[str, Any]) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def _fail(code: str, message: str, *, field: str = "file", expected: Any = None, actual: Any = None) -> NoReturn:
-    raise ABIError([Issue(code, field, message, expected=expected, actual=actual)])
+def _fail(code: str, message: str, *, field: str = "file", expected: Any = None, actual: Any = None,
+          fix: str | None = None) -> NoReturn:
+    raise ABIError([Issue(code, field, message, expected=expected, actual=actual, fix=fix)])
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -187,11 +196,17 @@ def read(path: str | os.PathLike[str]) -> FixtureFile:
     Raises :class:`ABIError` with ``fixture.unreadable`` (not safetensors, truncated, oversized or
     corrupt header), ``fixture.version`` (other format or version), ``fixture.manifest`` (invalid
     manifest) or ``fixture.tensors`` (tensors differ from the manifest, float or NaN in an
-    integer-valued field, ABI field of rank other than 1 or 2). The file is opened read-only.
+    integer-valued field, ABI field of rank other than 1 or 2). The file is opened read-only; anything
+    but a regular file (directory, FIFO, device) is refused without opening it.
     """
+    _check_regular(path, _mode_of(path))
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a FIFO swapped in after the check cannot block open() (no effect on regular files)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            _check_regular(path, info.st_mode)
+            size = info.st_size
             if size < 8:
                 _fail("fixture.unreadable", "file is shorter than the 8-byte safetensors length prefix",
                       expected=">= 8 bytes", actual=size)
@@ -206,8 +221,41 @@ def read(path: str | os.PathLike[str]) -> FixtureFile:
             entries, manifest = _check_header(header, size - 8 - header_len)
             raw = {name: f.read(nbytes) for name, nbytes in entries}
     except OSError as exc:
-        _fail("fixture.unreadable", f"cannot open the file: {exc.strerror or exc}", actual=str(path))
+        _fail_open(path, exc)
     return _check_tensors(manifest, header, raw)
+
+
+_OPEN_FIXES = {
+    errno.ENOENT: "the file does not exist: check the path",
+    errno.EACCES: "the file is not readable by you: check its permissions",
+    errno.EPERM: "the file is not readable by you: check its permissions",
+    errno.EISDIR: "this is a directory: pass the .safetensors file inside it (e.g. DIR/*.safetensors)",
+}
+
+
+def _fail_open(path: str | os.PathLike[str], exc: OSError) -> NoReturn:
+    _fail("fixture.unreadable", f"cannot open the file: {exc.strerror or exc}", actual=str(path),
+          fix=_OPEN_FIXES.get(exc.errno or 0, "check that the file exists and can be read"))
+
+
+def _mode_of(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.stat(path).st_mode
+    except OSError as exc:
+        _fail_open(path, exc)
+    except ValueError as exc:  # e.g. an embedded NUL byte
+        _fail("fixture.unreadable", f"invalid path: {exc}", actual=repr(path), fix="pass a valid file path")
+
+
+def _check_regular(path: str | os.PathLike[str], mode: int) -> None:
+    """Refuse anything but a regular file, with the fix for what it is instead."""
+    if stat.S_ISDIR(mode):
+        _fail("fixture.unreadable", "is a directory, not a fixture file", actual=str(path),
+              fix=_OPEN_FIXES[errno.EISDIR])
+    if not stat.S_ISREG(mode):
+        _fail("fixture.unreadable", "is not a regular file (a FIFO, socket or device); it was not opened",
+              actual=str(path), fix="not a regular file: pass a .safetensors file saved on disk (copy a stream "
+              "to a file first)")
 
 
 def _check_header(header: Any, data_len: int) -> tuple[list[tuple[str, int]], FixtureManifest]:
@@ -232,6 +280,13 @@ def _check_header(header: Any, data_len: int) -> tuple[list[tuple[str, int]], Fi
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, *offsets])
         if not ints:
             _fail("fixture.unreadable", "shape and data_offsets must be non-negative integers", field=name)
+        if len(shape) > MAX_DIMS:
+            _fail("fixture.unreadable", "tensor declares too many dimensions", field=name,
+                  expected=f"<= {MAX_DIMS}", actual=len(shape))
+        if math.prod(d or 1 for d in shape) > MAX_ELEMENTS:  # before any numpy call: [0, 2**70] is "empty" too
+            _fail("fixture.unreadable", "tensor dimensions are implausibly large (even if one of them is 0)",
+                  field=name, expected="every dimension and the product of the non-zero ones <= 2**48",
+                  actual=shape if len(str(shape)) <= 200 else f"{str(shape)[:200]}...")
         nbytes = int(np.prod(shape, dtype=object)) * _np_dtype(_NAME_OF[dtype]).itemsize
         if offsets[1] - offsets[0] != nbytes:
             _fail("fixture.unreadable", "data_offsets do not span dtype x shape bytes", field=name, expected=nbytes,

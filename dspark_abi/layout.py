@@ -33,6 +33,18 @@ RATIO128_STATE_PAGE_SIZE = 8
 RATIO4_STATE_LEN = 8
 RATIO128_STATE_LEN = 128
 
+#: Rows per page of each pool (fixed by the ABI, the same for every configuration).
+PAGE_SIZES: dict[PoolName, int] = {
+    "ori": KV_PAGE_SIZE, "csa_cmp": KV_PAGE_SIZE, "hca_cmp": KV_PAGE_SIZE, "idx": KV_PAGE_SIZE,
+    "csa_state": RATIO4_STATE_PAGE_SIZE, "csa_inner_state": RATIO4_STATE_PAGE_SIZE,
+    "hca_state": RATIO128_STATE_PAGE_SIZE,
+}
+#: Largest row count of a pool: block ids (int32 tables) and every slot ``block * page_size + offset``
+#: must fit int32, the index type of the kernels' scatter and gather.
+MAX_POOL_ROWS = 2**31 - 1
+#: Largest block count of each pool: ``MAX_POOL_ROWS // page_size``.
+MAX_POOL_BLOCKS: dict[PoolName, int] = {p: MAX_POOL_ROWS // s for p, s in PAGE_SIZES.items()}
+
 
 @attrs.frozen
 class PoolLayout:
@@ -116,3 +128,63 @@ def live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) 
         return np.zeros_like(start), end // pl.ratio
     reach = pl.state_len if pl.is_state else window - 1
     return np.maximum(0, start - reach), end
+
+
+# ---------------------------------------------------------------------------------------------------- addressing
+# The one home of the pool addressing formulas. Builder, validator, allocator, kernels and test strategies call
+# these; the hand-written conformance vectors stay independent of them (they are the oracle).
+
+
+def written_logical(pl: PoolLayout, positions: np.ndarray) -> np.ndarray:
+    """[T] int64 logical index each position writes in pool ``pl``, -1 where it writes nothing.
+
+    Per-token pools: the position itself. Compressed pools: entry ``(p + 1) // ratio - 1`` on ratio
+    boundaries (``(p + 1) % ratio == 0``), else -1. Liveness (padding rows) is the caller's mask.
+    """
+    p = np.asarray(positions, dtype=np.int64)
+    if not pl.ratio:
+        return p
+    return np.where((p + 1) % pl.ratio == 0, (p + 1) // pl.ratio - 1, -1)
+
+
+def visible_entries(positions: np.ndarray, ratio: int) -> np.ndarray:
+    """[T] int64 compressed entries a query at each position sees: ``c < (p + 1) // ratio``, so this count."""
+    return (np.asarray(positions, dtype=np.int64) + 1) // ratio
+
+
+def physical_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, page_size: int) -> np.ndarray:
+    """The slot formula: physical rows of logical indices, each looked up in its own request's table row.
+
+    table: [R, width] int block table (-1 = unmapped). request: [T] int request per row (-1 = none).
+    logical: [T] or [T, K] int logical indices (negative = none).
+    Returns int64 of ``logical``'s shape: ``table[request, logical // page_size] * page_size +
+    logical % page_size``, or -1 where the request is -1, the logical index is negative or beyond the table,
+    or the page is unmapped. -1 is never used as an index (it never wraps to the last row).
+    """
+    request = np.asarray(request, dtype=np.int64)
+    logical = np.asarray(logical, dtype=np.int64)
+    req = request.reshape(request.shape + (1,) * (logical.ndim - request.ndim))    # broadcast over K
+    page = logical // page_size
+    ok = (req >= 0) & (logical >= 0) & (page < table.shape[1])
+    req_b, page_b = np.broadcast_arrays(req, page)
+    block = np.full(logical.shape, -1, dtype=np.int64)
+    block[ok] = table[req_b[ok], page_b[ok]]
+    return np.where(ok & (block >= 0), block * page_size + logical % page_size, -1)
+
+
+def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(request, page) of every logical page that requests with new positions ``[start, end)`` read or write.
+
+    start, end: [R] int. Returns two flat int64 arrays, requests ascending and pages ascending within each
+    request; empty requests (start == end) touch nothing. Cost O(R + touched pages).
+    """
+    start = np.asarray(start, dtype=np.int64)
+    end = np.asarray(end, dtype=np.int64)
+    lo, hi = live_range(pl, start, end, window)
+    has = (end > start) & (hi > lo)
+    first = np.where(has, lo // pl.page_size, 0)
+    count = np.where(has, (hi - 1) // pl.page_size - first + 1, 0)
+    request = np.repeat(np.arange(start.size, dtype=np.int64), count)
+    offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    return request, first[request] + offset

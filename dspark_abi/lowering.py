@@ -40,11 +40,14 @@ def _check(qsl: np.ndarray, base: int, count: int) -> None:
     if qsl.ndim != 1 or qsl.size < 2 or not np.issubdtype(qsl.dtype, np.integer):
         issues.append(Issue("qsl.shape", "query_start_loc", "must be a 1-D integer array with R+1 >= 2 entries",
                             expected="[R+1] int32", actual=f"{qsl.shape} {qsl.dtype}"))
+    elif qsl.dtype.kind == "u" and int(qsl.max()) > np.iinfo(np.int64).max:
+        issues.append(Issue("qsl.shape", "query_start_loc", "entries must fit int64 (they are token offsets)",
+                            expected="[R+1] int32", actual=f"{qsl.dtype} up to {int(qsl.max())}"))
     else:
         if qsl[0] != 0:
             issues.append(Issue("qsl.start", "query_start_loc", "must start at 0", index=0, expected=0,
                                 actual=int(qsl[0])))
-        drops = np.flatnonzero(np.diff(qsl) < 0)
+        drops = np.flatnonzero(np.diff(qsl.astype(np.int64)) < 0)  # signed: an unsigned diff wraps
         if drops.size:
             i = int(drops[0]) + 1
             issues.append(Issue("qsl.non_monotonic", "query_start_loc", "offsets must not decrease", index=i,

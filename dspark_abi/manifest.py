@@ -18,7 +18,7 @@ from dspark_abi._base import StrictModel
 from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import CODES
-from dspark_abi.layout import POOL_NAMES
+from dspark_abi.layout import MAX_POOL_BLOCKS, POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
 
 #: Value of the manifest's ``format`` key.
@@ -60,21 +60,24 @@ class TensorInfo(StrictModel):
 
 
 class PoolBlockCounts(StrictModel):
-    """Physical block count of each of the seven pools (bound for table entries and slots)."""
+    """Physical block count of each of the seven pools (bound for table entries and slots).
 
-    ori: int = Field(ge=1)
+    At most ``(2**31 - 1) // page_size`` blocks, so that every block id and slot fits int32.
+    """
+
+    ori: int = Field(ge=1, le=MAX_POOL_BLOCKS["ori"])
     """Blocks of the uncompressed KV pool (32 rows each)."""
-    csa_cmp: int = Field(ge=1)
+    csa_cmp: int = Field(ge=1, le=MAX_POOL_BLOCKS["csa_cmp"])
     """Blocks of the ratio-4 compressed KV pool (32 entries each)."""
-    hca_cmp: int = Field(ge=1)
+    hca_cmp: int = Field(ge=1, le=MAX_POOL_BLOCKS["hca_cmp"])
     """Blocks of the ratio-128 compressed KV pool (32 entries each)."""
-    idx: int = Field(ge=1)
+    idx: int = Field(ge=1, le=MAX_POOL_BLOCKS["idx"])
     """Blocks of the indexer key cache and its scale (32 entries each)."""
-    csa_state: int = Field(ge=1)
+    csa_state: int = Field(ge=1, le=MAX_POOL_BLOCKS["csa_state"])
     """Blocks of the ratio-4 compressor state ring (2 positions each)."""
-    csa_inner_state: int = Field(ge=1)
+    csa_inner_state: int = Field(ge=1, le=MAX_POOL_BLOCKS["csa_inner_state"])
     """Blocks of the indexer compressor state ring (2 positions each)."""
-    hca_state: int = Field(ge=1)
+    hca_state: int = Field(ge=1, le=MAX_POOL_BLOCKS["hca_state"])
     """Blocks of the ratio-128 compressor state ring (8 positions each)."""
 
     def as_dict(self) -> dict[str, int]:

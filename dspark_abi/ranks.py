@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from dspark_abi.batch import subclass_issue
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.policy import PaddingPolicy
 
@@ -19,13 +20,24 @@ LOCAL = {"positions_local": "positions_full", "token_ids_local": "token_ids"}
 def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dict[str, np.ndarray]:
     """Check and collapse ``[TP, ...]`` per-rank arrays into flat group arrays (rank 0's copy).
 
-    Replicated fields: ``query_start_loc``, ``positions_full`` (or ``positions``), every
+    Replicated fields: ``query_start_loc``, ``positions_full`` (or ``positions``; both only if equal), every
     ``*_block_table`` and ``*_slot_mapping`` (the ``_full`` ones), ``request_ids``, ``logit_rows``.
     Local fields: ``positions_local`` [TP, L] and ``token_ids_local`` [TP, L] must equal rank r's
     rows ``[r*L, (r+1)*L)`` of ``positions_full`` / ``token_ids`` (``token_ids`` may be given only locally).
     """
     tp = policy.tp_size
-    issues: list[Issue] = []
+    issues: list[Issue] = [subclass_issue(k, v) for k, v in per_rank.items()
+                           if isinstance(v, np.ndarray) and type(v) is not np.ndarray]
+    if issues:  # np.asarray would silently drop a mask
+        raise ABIError(issues)
+    if "positions" in per_rank and "positions_full" in per_rank:  # two names of one field: they must agree
+        alias, full = np.asarray(per_rank["positions"]), np.asarray(per_rank["positions_full"])
+        if alias.shape != full.shape:
+            issues.append(_positions_twice(None, f"shape {alias.shape}, positions_full {full.shape}", 1))
+        elif not np.array_equal(alias, full):
+            differ = np.flatnonzero((alias != full).reshape(-1))
+            row = int(differ[0]) % full.shape[-1] if full.ndim else None
+            issues.append(_positions_twice(row, f"{differ.size} entries differ", int(differ.size)))
     arrays = {("positions_full" if k == "positions" else k): np.asarray(v) for k, v in per_rank.items()}
     merged: dict[str, np.ndarray] = {}
     for name, value in arrays.items():
@@ -68,6 +80,12 @@ def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dic
     if issues:
         raise ABIError(issues)
     return merged
+
+
+def _positions_twice(row: int | None, actual: str, count: int) -> Issue:
+    return Issue("rank.replicated_mismatch", "positions", "positions and positions_full name the same replicated "
+                 "field but differ", index=row, expected="equal to positions_full", actual=actual, count=count,
+                 fix="pass the full positions once, as positions_full (or as positions)")
 
 
 def split_rank_arrays(arrays: Mapping[str, np.ndarray], policy: PaddingPolicy) -> dict[str, np.ndarray]:

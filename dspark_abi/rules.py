@@ -114,9 +114,71 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
               index_of=pad, expected=0.0, actual="nonzero row")
 
 
+class _Owners:
+    """Which requests use each physical block of one pool among their live pages: (min, max) batch index.
+
+    Built from the live pages only, so its size is O(live pages) whatever the pool size: per-block arrays
+    when the pool is not much larger than the pages the call touches, else the sorted used blocks.
+    """
+
+    def __init__(self, used: np.ndarray, lo: np.ndarray, hi: np.ndarray, dense: bool):
+        self.used, self.lo, self.hi, self.dense = used, lo, hi, dense
+
+    def lookup(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) owner request of each block in ``[0, pool blocks)``; -1 for blocks no live page uses."""
+        if self.dense:
+            return self.lo[blocks], self.hi[blocks]
+        if self.used.size == 0:
+            none = np.full(blocks.shape, -1, dtype=np.int32)
+            return none, none
+        at = np.minimum(np.searchsorted(self.used, blocks), self.used.size - 1)
+        found = self.used[at] == blocks
+        return np.where(found, self.lo[at], -1), np.where(found, self.hi[at], -1)
+
+
+def _dense(n_blocks: int, n_pages: int) -> bool:
+    """Per-block owner arrays only when the pool is within a constant factor of the live pages (O(pages))."""
+    return n_blocks <= 4 * n_pages + 4096
+
+
+def _owners(n_blocks: int, n_req: int, blk: np.ndarray, req: np.ndarray) -> tuple[_Owners, np.ndarray | None]:
+    """Owners of the mapped live pages ``(blk, req)``, and a mask of the pages that repeat the block of an
+    earlier live page of the same request (None when there is none: no alias to report)."""
+    dense = _dense(n_blocks, blk.size)
+    if dense and (blk.size == 0 or np.bincount(blk, minlength=n_blocks).max() <= 1):
+        owner = np.full(n_blocks, -1, dtype=np.int32)      # fast path: every used block has one owner
+        owner[blk] = req
+        return _Owners(blk, owner, owner, True), None
+    if blk.size == 0:                                      # no mapped live page (sparse path)
+        return _Owners(blk, req, req, False), None
+    width = max(n_req, 1)
+    key = blk * width + req                                # by block, then request
+    ordered = np.sort(key)
+    alias = None
+    if (ordered[1:] == ordered[:-1]).any():                # rare: name the repeating pages, in page order
+        order = np.argsort(key, kind="stable")
+        alias = np.zeros(key.size, dtype=bool)
+        alias[order[1:]] = key[order[1:]] == key[order[:-1]]
+    b = ordered // width
+    first = np.flatnonzero(np.concatenate(([True], b[1:] != b[:-1])))
+    last = np.concatenate((first[1:], [b.size])) - 1
+    used = b[first]
+    lo = (ordered[first] - used * width).astype(np.int32)  # smallest and largest request using the block:
+    hi = (ordered[last] - used * width).astype(np.int32)   # shared read-only pages are legal, writes are not
+    if not dense:
+        return _Owners(used, lo, hi, False), alias
+    owner_min = np.full(n_blocks, -1, dtype=np.int32)
+    owner_max = np.full(n_blocks, -1, dtype=np.int32)
+    owner_min[used], owner_max[used] = lo, hi
+    return _Owners(used, owner_min, owner_max, True), alias
+
+
 def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.ndarray,
-                 end: np.ndarray, use: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Coverage, block range, in-request aliasing; return per-block (min, max) owner request (-1: none)."""
+                 end: np.ndarray, use: np.ndarray, window: int) -> _Owners:
+    """Coverage, block range, in-request aliasing; return the (min, max) owner request of every used block.
+
+    Cost O(live pages) in time and memory (never O(pool blocks)).
+    """
     name = TABLE_FIELDS[pl.name]
     lo, hi = live_range(pl, start, end, window)
     has = use & (hi > lo)
@@ -134,28 +196,17 @@ def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
           expected=f"-1..{n_blocks - 1}", actual=blk)
     mapped = (blk >= 0) & (blk < n_blocks)
     req_m, blk_m = req[mapped].astype(np.int32), blk[mapped]
-    owner_min = np.full(n_blocks, -1, dtype=np.int32)
-    if blk_m.size == 0 or np.bincount(blk_m, minlength=n_blocks).max() <= 1:
-        owner_min[blk_m] = req_m                                # fast path: every block has one owner
-        return owner_min, owner_min
-    key = blk_m * max(int(start.size), 1) + req_m              # some block is used twice: find out how
-    order = np.argsort(key, kind="stable")
-    dup = np.zeros(key.size, dtype=bool)
-    dup[order[1:]] = key[order[1:]] == key[order[:-1]]
-    code = "state.ring_alias" if pl.is_state else "tables.alias"
-    _flag(issues, code, name, dup, "two live logical pages of one request map to the same block",
-          index_of=page[mapped], request_of=req_m, expected="distinct blocks", actual=blk_m)
-    owner_max = np.full(n_blocks, -1, dtype=np.int32)
-    owner_min[:] = np.iinfo(np.int32).max
-    np.minimum.at(owner_min, blk_m, req_m)                     # shared read-only pages are legal;
-    np.maximum.at(owner_max, blk_m, req_m)                     # writes into them are not
-    owner_min[owner_max < 0] = -1
-    return owner_min, owner_max
+    owners, alias = _owners(n_blocks, int(start.size), blk_m, req_m)
+    if alias is not None:  # some request maps one block on two live pages: name the second one
+        code = "state.ring_alias" if pl.is_state else "tables.alias"
+        _flag(issues, code, name, alias, "two live logical pages of one request map to the same block",
+              index_of=page[mapped], request_of=req_m, expected="distinct blocks", actual=blk_m)
+    return owners
 
 
 def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, slot: np.ndarray,
                  pos: np.ndarray, row_req: np.ndarray, live: np.ndarray, tok: np.ndarray,
-                 owners: tuple[np.ndarray, np.ndarray]) -> None:
+                 owners: _Owners) -> None:
     name, ps = SLOT_FIELDS[pl.name], pl.page_size
     n_rows = n_blocks * ps
     out_of_range = (slot < -1) | (slot >= n_rows)
@@ -189,9 +240,8 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
         _flag(issues, "writes.duplicate", name, dup, "two live tokens write the same physical row",
               index_of=written, request_of=row_req[written], expected="unique rows", actual=rows)
 
-    owner_min, owner_max = owners
     wblk, writer_req = rows // ps, row_req[written]
-    lo, hi = owner_min[wblk], owner_max[wblk]
+    lo, hi = owners.lookup(wblk)
     foreign = (hi >= 0) & ((lo != writer_req) | (hi != writer_req))
     other = np.where(lo != writer_req, lo, hi)
     _flag(issues, "isolation.foreign_write", name, foreign,

@@ -15,12 +15,16 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
+from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks, subclass_issue
 from dspark_abi.config import ModelConfig
-from dspark_abi.errors import Issue, ValidationReport
+from dspark_abi.errors import ABIError, Issue, ValidationReport
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
 
 Level = Literal["shape", "full"]
+
+#: Fix of ``qsl.token_count`` when N = 0 (the generic hint, "split the batch", is for N > token_cap).
+EMPTY_BATCH_FIX = "add at least one request with new tokens (num_new >= 1): an empty batch has nothing to prefill"
 
 
 def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
@@ -31,9 +35,6 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     optional ``request_ids``, ``token_ids``, ``logit_rows``. hidden: optional [P, ...] float rows of the
     input hidden state (padding rows must be zero).
     """
-    from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
-    from dspark_abi.errors import ABIError
-
     issues: list[Issue] = []
     try:
         blocks = PoolBlocks.from_mapping(pool_blocks)
@@ -63,7 +64,9 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     token_ids = _array(arrays, "token_ids", np.int64, 1, issues, rows=rows, required=False)
     logit_rows = _array(arrays, "logit_rows", np.int32, 1, issues, required=False)
     hidden_arr = None
-    if hidden is not None:
+    if isinstance(hidden, np.ndarray) and type(hidden) is not np.ndarray:
+        issues.append(subclass_issue("hidden", hidden))
+    elif hidden is not None:
         hidden_arr = np.asarray(hidden)
         if not (np.issubdtype(hidden_arr.dtype, np.floating) or hidden_arr.dtype == ml_dtypes.bfloat16):
             issues.append(Issue("array.dtype", "hidden", "hidden rows must be floating point",
@@ -110,6 +113,9 @@ def _array(arrays: Mapping[str, Any], name: str, dtype: Any, ndim: int, issues: 
         issues.append(Issue("array.dtype", name, "must be a numpy array", expected=np.dtype(dtype).name,
                             actual=type(a).__name__))
         return None
+    if type(a) is not np.ndarray:  # a masked array hides entries from every rule; a matrix breaks indexing
+        issues.append(subclass_issue(name, a))
+        return None
     if a.dtype != dtype:
         issues.append(Issue("array.dtype", name, "wrong dtype", expected=np.dtype(dtype).name, actual=a.dtype.name))
         return None
@@ -144,7 +150,8 @@ def _check_qsl(qsl: np.ndarray, policy: PaddingPolicy, issues: list[Issue]) -> t
     n = int(qsl[-1])
     if not 1 <= n <= policy.token_cap:
         issues.append(Issue("qsl.token_count", "query_start_loc", "N = query_start_loc[-1] out of range",
-                            index=len(qsl) - 1, expected=f"1..{policy.token_cap}", actual=n))
+                            index=len(qsl) - 1, expected=f"1..{policy.token_cap}", actual=n,
+                            fix=EMPTY_BATCH_FIX if n < 1 else None))
         ok = False
     if not policy.allow_empty_requests:
         empty = np.flatnonzero(lengths == 0)

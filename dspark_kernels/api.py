@@ -19,6 +19,8 @@ from dspark_abi.errors import ABIError, Issue
 from dspark_kernels.forward import ForwardResult, run_forward
 from dspark_kernels.model_caches import ModelCaches
 from dspark_kernels.model_weights import ModelWeights
+from dspark_kernels.reference.caches import POOLS_BY_KIND
+from dspark_kernels.reference.numerics import PRECISIONS
 
 Backend = Literal["reference", "pypto"]
 BACKENDS: tuple[str, ...] = ("reference", "pypto")
@@ -83,14 +85,30 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     backend: 'reference' (numpy, default) or 'pypto' (attention stages through pypto kernels; needs the
     ``pypto`` extra and ``precision="a2a3"``, the numerics those kernels implement).
     precision: 'fp32' (exact, default) or 'a2a3' (the a2a3 kernels' bf16/int8 numerics).
-    layers: layer indices to run (default all); logit_rows: group rows to sample (default batch.logit_rows).
+    layers: distinct int layer indices to run (default all); logit_rows: group rows to sample (default
+    batch.logit_rows). Layers, caches (every pool array of the layers run, shape and dtype) and, for the pypto
+    backend, the range of the kernels' fp32 indices are checked before anything is read or written.
     For one rank's view of a TP group see :mod:`dspark_kernels.tp`.
     """
     issues = _check(batch, inputs, weights, backend)
-    if backend == "pypto" and precision != "a2a3":
+    if precision not in PRECISIONS:
+        issues.append(Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS),
+                            actual=repr(precision)))
+    elif backend == "pypto" and precision != "a2a3":
         issues.append(Issue("config.invalid", "precision", "the pypto backend computes the a2a3 kernels' numerics",
                             expected="a2a3", actual=precision))
-    if issues:
+    run, layer_issues = _layers(batch, layers)
+    issues += layer_issues
+    if isinstance(batch, PackedBatch) and run is not None:
+        # every check that keeps the snapshot and the layers from indexing a pool out of bounds, before any read
+        if not isinstance(caches, ModelCaches):
+            issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",
+                                expected="ModelCaches", actual=type(caches).__name__))
+        elif precision in PRECISIONS:
+            issues += caches.issues_for(batch, precision, run)
+        if backend == "pypto":
+            issues += _pypto_index_issues(batch, run)
+    if issues or run is None:
         raise ABIError(issues)
     attention_fn = None
     if backend == "pypto":
@@ -98,17 +116,54 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
 
         def attention_fn(b, layer, x, w, c, *, precision, rank):  # type: ignore[no-untyped-def]
             return attention_pypto(b, layer, x, w, c, rank=rank)
-    n_layers = batch.config.num_layers
-    run = list(range(n_layers)) if layers is None else sorted({i for i in layers if 0 <= i < n_layers})
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
-        result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=layers,
+        result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=run,
                                             logit_rows=logit_rows, on_layer=on_layer, attention_fn=attention_fn)
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
     return PrefillResult(batch=batch, hidden=result.hidden, x_hc=result.x_hc, logit_rows=result.logit_rows,
                          logits=result.logits, sampled=result.sampled)
+
+
+def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int] | None, list[Issue]]:
+    """The layer indices to run (None if ``layers`` is unusable) and the issues of ``layers``."""
+    if not isinstance(batch, PackedBatch):
+        return None, []  # reported by _check
+    n = batch.config.num_layers
+    if layers is None:
+        return list(range(n)), []
+    expected = f"a sequence of distinct int layer indices in [0, {n})"
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence | np.ndarray | set | frozenset):
+        return None, [Issue("config.invalid", "layers", "layers must be a sequence of layer indices",
+                            expected=expected, actual=repr(layers))]
+    values = list(layers)
+    bad = [i for i, v in enumerate(values) if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer)]
+    if bad:
+        return None, [Issue("config.invalid", "layers", "layer indices must be integers", index=bad[0],
+                            expected=expected, actual=repr(values[bad[0]]), count=len(bad))]
+    run = [int(v) for v in values]
+    if any(not 0 <= i < n for i in run) or len(set(run)) != len(run):
+        return None, [Issue("config.mismatch", "layers", "layers must be distinct indices of the config's schedule",
+                            expected=f"distinct values in [0, {n})", actual=run)]
+    return run, []
+
+
+def _pypto_index_issues(batch: PackedBatch, run: list[int]) -> list[Issue]:
+    """``kernel.index_range`` issues of the pypto kernels' fp32 indices over ``run``: every table the layers
+    read (R * table_width), every block of its pool (blocks * page_size, not only the blocks mapped now, so a
+    geometry fails on its first call) and the positions."""
+    from dspark_kernels.pypto.index_guard import index_range_issues
+
+    cfg = batch.config
+    issues = []
+    for pool in sorted({p for i in run for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
+        pl = cfg.layout.pools[pool]
+        issues += index_range_issues(f"{pool}_block_table", requests=batch.num_requests, width=pl.table_width,
+                                     page=pl.page_size, max_block=batch.pool_blocks[pool] - 1)
+    return issues + index_range_issues("positions", requests=0, width=1, page=1, max_block=-1,
+                                       max_position=int(batch.positions.max(initial=0)))
 
 
 def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backend: str) -> list[Issue]:
@@ -131,7 +186,10 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
             issues.append(Issue("padding.token_id", "token_ids", "padding rows must carry the policy's pad id",
                                 index=batch.num_tokens + int(np.flatnonzero(pad != batch.policy.pad_token_id)[0]),
                                 expected=batch.policy.pad_token_id, actual="other ids"))
-    if isinstance(weights, ModelWeights) and weights.config == batch.config:
+    if not isinstance(weights, ModelWeights):
+        issues.append(Issue("config.mismatch", "weights", "weights must be a ModelWeights",
+                            expected="ModelWeights", actual=type(weights).__name__))
+    elif weights.config == batch.config:
         issues += weights.validate().issues
     return issues
 

@@ -7,7 +7,7 @@ Shapes: x_hc, attn_stage, x_next [P, hc, D] fp32; x_n, x_f, attn_out, ffn_out [P
 Padding rows (request -1) are zero in ``x_hc`` and stay zero: hc_pre/norms map zero to zero, attention returns
 zero rows and writes nothing for them, and the MoE skips them.
 
-Rank view (upstream-design section 7): every rank computes hc_pre, the norms and all KV-side work over the P
+Rank view (upstream's TP split, docs/glossary.md): every rank computes hc_pre, the norms and all KV-side work over the P
 group rows (the caches are replicated), but only its own L query rows through attention and the MoE; the two
 ``all_gather`` calls (attention output, FFN output) rebuild the [P, D] rows rank-major, so every rank ends the
 layer with the same replicated ``x_next``.

@@ -22,6 +22,7 @@ from dspark_abi.batch import PackedBatch, PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_kernels.reference.caches import POOLS_BY_KIND, LayerCaches
+from dspark_kernels.reference.checks import pool_array_issues
 from dspark_kernels.reference.numerics import Precision, check_precision
 
 FORMAT = "dspark.caches"
@@ -73,6 +74,33 @@ class ModelCaches:
                 issues.append(Issue("config.mismatch", f"caches.pool_blocks.{pool}",
                                     "the batch's tables address a pool of another size",
                                     expected=batch.pool_blocks[pool], actual=self.pool_blocks[pool]))
+        return issues + self.structure_issues(layers)
+
+    def structure_issues(self, layers: range | list[int]) -> list[Issue]:
+        """Issues for the per-layer objects of ``layers``: one :class:`LayerCaches` per layer of the config, of
+        this config, layer and precision, each pool array of the shape and dtype its layout and ``pool_blocks``
+        give (a pool replaced by a shorter array is ``array.shape``). Reads shapes only, never pool rows."""
+        n = self.config.num_layers
+        if not isinstance(self.layers, list | tuple) or len(self.layers) != n:
+            got = len(self.layers) if isinstance(self.layers, list | tuple) else type(self.layers).__name__
+            return [Issue("array.shape", "caches.layers",
+                          f"caches need one LayerCaches per layer of {self.config.name}", expected=n, actual=got)]
+        issues = []
+        for i in layers:
+            lc, field = self.layers[i], f"caches.layers.{i}"
+            if not isinstance(lc, LayerCaches):
+                issues.append(Issue("config.mismatch", field, "caches of a layer must be a LayerCaches",
+                                    expected="LayerCaches", actual=type(lc).__name__))
+            elif lc.config != self.config or lc.layer != i:
+                issues.append(Issue("config.mismatch", field, "these pools belong to another layer or config",
+                                    expected=f"{self.config.name} layer {i}",
+                                    actual=f"{lc.config.name} layer {lc.layer}"))
+            elif lc.precision != self.precision:
+                issues.append(Issue("config.mismatch", f"{field}.precision",
+                                    "a layer holds another precision's values", expected=self.precision,
+                                    actual=lc.precision))
+            else:
+                issues += pool_array_issues(lc, self.pool_blocks, field)
         return issues
 
     # ------------------------------------------------------------------ files

@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dspark_abi.config import ModelConfig
@@ -99,6 +99,66 @@ def weight_specs(config: ModelConfig) -> dict[str, TensorSpec]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- errors
+class WeightsError(ABIError):
+    """Weights that cannot serve a config: every issue (``issues``, as :class:`ABIError`) plus a one-line
+    :meth:`summary` (counts and the first few names) for a checkpoint that is wholly wrong.
+
+    ``unreadable`` names files that could not be opened; ``unused`` lists checkpoint tensors the model does not
+    read (ignored, but telling when the required ones are missing: another model's or converter's names).
+    """
+
+    #: Names quoted per category in :meth:`summary`.
+    EXAMPLES = 3
+
+    def __init__(self, issues: Iterable[Issue], *, config_name: str, required: int,
+                 unused: Iterable[str] = (), unreadable: Iterable[str] = ()):
+        super().__init__(issues)
+        self.config_name, self.required = config_name, required
+        self.unused, self.unreadable = tuple(unused), tuple(unreadable)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # survives a process boundary (a rank or kernel process)
+        return _weights_error, (self.issues, self.config_name, self.required, self.unused, self.unreadable)
+
+    def by_code(self, code: str) -> list[Issue]:
+        return [i for i in self.issues if i.code == code]
+
+    def summary(self) -> str:
+        """One line, e.g. '170 of 170 tensors tiny needs are missing (embed.weight, ...); the checkpoint holds
+        12 tensors tiny does not read (model.embed.weight, ...)'."""
+        if self.unreadable:
+            return "; ".join(i.message for i in self.issues)
+        n, parts = self.EXAMPLES, []
+        missing, shape, dtype = self.by_code("array.missing"), self.by_code("array.shape"), self.by_code("array.dtype")
+        if missing:
+            parts.append(f"{len(missing)} of {self.required} tensors {self.config_name} needs are missing "
+                         f"({_examples([i.field for i in missing], n)})")
+        if shape:
+            first = shape[0]
+            parts.append(f"{len(shape)} have the wrong shape ({first.field}: expected {first.expected}, got "
+                         f"{first.actual}{', ...' if len(shape) > 1 else ''})")
+        if dtype:
+            parts.append(f"{len(dtype)} have an unsupported dtype ({dtype[0].field}: {dtype[0].actual}; "
+                         "dequantise FP8/FP4 checkpoints first)")
+        others = [i for i in self.issues if i.code not in ("array.missing", "array.shape", "array.dtype")]
+        parts += [str(i) for i in others[:1]]
+        text = ", ".join(parts) if parts else "weights are invalid"
+        if missing and self.unused:
+            text += (f"; the checkpoint holds {len(self.unused)} tensors {self.config_name} does not read "
+                     f"({_examples(self.unused, n)})")
+        return text
+
+
+def _weights_error(issues: tuple[Issue, ...], config_name: str, required: int, unused: tuple[str, ...],
+                   unreadable: tuple[str, ...]) -> WeightsError:
+    return WeightsError(issues, config_name=config_name, required=required, unused=unused, unreadable=unreadable)
+
+
+def _examples(names: Iterable[str], n: int) -> str:
+    names = list(names)
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
 # ---------------------------------------------------------------------------------------------- sources
 class _ArraySource:
     def __init__(self, arrays: Mapping[str, Any]):
@@ -117,12 +177,18 @@ class _SafetensorsSource:
     def __init__(self, paths: Iterable[Path]):
         self.where: dict[str, Path] = {}
         self._info: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.unreadable: list[Issue] = []
         for path in paths:
-            with safe_open(str(path), framework="numpy") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    sl = f.get_slice(name)
-                    self.where[name] = path
-                    self._info[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+            try:
+                with safe_open(str(path), framework="numpy") as f:
+                    for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        sl = f.get_slice(name)
+                        self.where[name] = path
+                        self._info[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+            except (OSError, SafetensorError) as exc:  # missing, unreadable, truncated or not safetensors at all
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                self.unreadable.append(Issue("array.missing", str(path), f"cannot read {path}: {reason}",
+                                             expected="a safetensors file", actual=type(exc).__name__))
 
     def info(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return self._info
@@ -211,7 +277,15 @@ class ModelWeights:
         self._head: HeadWeights | None = None
         self._embed: np.ndarray | None = None
         self._stacked: dict[str, np.ndarray] | None = None
-        self.validate().raise_if_invalid()
+        unreadable = getattr(source, "unreadable", [])
+        if unreadable:
+            raise WeightsError(unreadable, config_name=config.name, required=len(weight_specs(config)),
+                               unreadable=[i.field for i in unreadable])
+        report = self.validate()
+        if not report.ok:
+            specs = weight_specs(config)
+            raise WeightsError(report.issues, config_name=config.name, required=len(specs),
+                               unused=[n for n in source.info() if n not in specs])
 
     def __getstate__(self) -> dict[str, Any]:  # ship the source, not materialised layers
         return {**self.__dict__, "_layers": {}, "_head": None, "_embed": None, "_stacked": None}
@@ -228,14 +302,18 @@ class ModelWeights:
     @classmethod
     def from_safetensors(cls, paths: str | Path | Iterable[str | Path], config: ModelConfig, *,
                          keep_layers: bool = False) -> ModelWeights:
-        """Weights from a directory of ``*.safetensors`` files or a list of files (headers checked now)."""
+        """Weights from a directory of ``*.safetensors`` files or a list of files (headers checked now).
+
+        Raises :class:`WeightsError` (an :class:`ABIError`) when a file cannot be read or the tensors do not fit
+        ``config``; its ``summary()`` is one line however many tensors are wrong."""
         if isinstance(paths, str | Path) and Path(paths).is_dir():
             files = sorted(Path(paths).glob("*.safetensors"))
         else:
             files = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
         if not files:
-            raise ABIError([Issue("array.missing", "weights", "no *.safetensors files found",
-                                  expected="one or more files", actual=str(paths))])
+            raise WeightsError([Issue("array.missing", "weights", f"no *.safetensors files found in {paths}",
+                                      expected="one or more files", actual=str(paths))],
+                               config_name=config.name, required=len(weight_specs(config)), unreadable=[str(paths)])
         return cls(config, _SafetensorsSource(files), keep_layers=keep_layers)
 
     @classmethod

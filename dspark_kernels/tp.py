@@ -6,25 +6,31 @@
   ``hccl`` on Ascend with ``device="npu"``); the all-gathers are real collectives. Processes are started with
   ``torch.multiprocessing`` spawn, or by ``torchrun`` calling :func:`run_rank` in each process.
 
+Both run the attention of every layer on the chosen ``backend`` ('reference' or 'pypto', as
+:func:`dspark_kernels.prefill`); the pypto backend runs each layer's kernels in a child process
+(:mod:`dspark_kernels.pypto.isolate`), so threads and rank processes never share a pypto runtime.
+
 torch is imported only inside the distributed functions, never when this module is imported.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from dspark_abi.batch import PackedBatch
+from dspark_abi.errors import ABIError, Issue
 from dspark_kernels.forward import ForwardResult, run_forward
-from dspark_kernels.layer import AllGather
+from dspark_kernels.layer import AllGather, AttentionFn
 from dspark_kernels.model_caches import ModelCaches
 from dspark_kernels.model_weights import ModelWeights
 
@@ -64,14 +70,46 @@ class ThreadGroup:
         self._barrier.abort()
 
 
+BACKENDS: tuple[str, ...] = ("reference", "pypto")
+
+
+def attention_backend(backend: str, precision: str) -> AttentionFn | None:
+    """The attention function of ``backend`` for :func:`run_forward` (None: the numpy reference).
+
+    'pypto' resolves :func:`dspark_kernels.pypto.attention_pypto` now and needs ``precision="a2a3"`` (the
+    numerics its kernels implement). The result pickles, so a launcher can resolve it once for all ranks.
+    Raises :class:`ABIError` (``config.invalid``) for an unknown backend or a precision it cannot compute.
+    """
+    if backend not in BACKENDS:
+        raise ABIError([Issue("config.invalid", "backend", "unknown backend", expected=list(BACKENDS),
+                              actual=backend)])
+    if backend == "reference":
+        return None
+    if precision != "a2a3":
+        raise ABIError([Issue("config.invalid", "precision", "the pypto backend computes the a2a3 kernels' numerics",
+                              expected="a2a3", actual=precision)])
+    from dspark_kernels import pypto
+
+    return functools.partial(_pypto_attention, pypto.attention_pypto)
+
+
+def _pypto_attention(entry: Callable[..., np.ndarray], batch: PackedBatch, layer: int, x: np.ndarray, weights: Any,
+                     caches: Any, *, precision: str, rank: int | None) -> np.ndarray:
+    """The :data:`AttentionFn` contract on top of ``attention_pypto`` (whose precision is fixed to a2a3)."""
+    return entry(batch, layer, x, weights, caches, rank=rank)
+
+
 def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
                      precision: str = "fp32", layers: Sequence[int] | None = None,
-                     logit_rows: Sequence[int] | None = None) -> list[RankResult]:
+                     logit_rows: Sequence[int] | None = None, backend: str = "reference",
+                     on_layer: Callable[[int, int], None] | None = None) -> list[RankResult]:
     """Run every rank's view of ``batch`` in threads; rank 0 writes ``caches``, the others copies of it.
 
-    Returns one :class:`RankResult` per rank (all results are equal to the whole-group forward). The first
-    failing rank's exception is re-raised after all threads stopped.
+    backend: 'reference' or 'pypto' attention (see :func:`attention_backend`). on_layer(done, total) is called by
+    rank 0 after each layer. Returns one :class:`RankResult` per rank (all results are equal to the whole-group
+    forward). The first failing rank's exception is re-raised after all threads stopped.
     """
+    attention_fn = attention_backend(backend, precision)
     tp = batch.tp_size
     group = ThreadGroup(tp)
     replicas = [caches] + [caches.copy() for _ in range(tp - 1)]
@@ -81,7 +119,8 @@ def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeigh
     def work(r: int) -> None:
         try:
             results[r] = run_forward(batch, inputs, weights, replicas[r], precision=precision, layers=layers,
-                                     logit_rows=logit_rows, rank=r, all_gather=group.gatherer(r))
+                                     logit_rows=logit_rows, rank=r, all_gather=group.gatherer(r),
+                                     attention_fn=attention_fn, on_layer=on_layer if r == 0 else None)
         except BaseException as exc:
             errors.append(exc)
             group.abort()
@@ -109,6 +148,10 @@ class DistributedJob:
     precision: str = "fp32"
     layers: tuple[int, ...] | None = None
     logit_rows: tuple[int, ...] | None = None
+    backend: str = "reference"
+    """Attention backend of every rank ('reference' or 'pypto', see :func:`attention_backend`)."""
+    on_layer: Callable[[int, int], None] | None = None
+    """Called by rank 0's process after each layer (it must pickle; it runs in that process)."""
 
 
 def torch_all_gather(device: str = "cpu") -> AllGather:
@@ -127,27 +170,38 @@ def torch_all_gather(device: str = "cpu") -> AllGather:
     return all_gather
 
 
-def run_rank(job: DistributedJob, *, device: str = "cpu") -> RankResult:
-    """Run this process's rank of ``job`` in an initialised default process group (e.g. under torchrun)."""
+def run_rank(job: DistributedJob, *, device: str = "cpu", attention_fn: AttentionFn | None = None) -> RankResult:
+    """Run this process's rank of ``job`` in an initialised default process group (e.g. under torchrun).
+
+    attention_fn: the attention backend already resolved (by :func:`launch`); default
+    ``attention_backend(job.backend, job.precision)`` resolved in this process.
+    """
     import torch.distributed as dist
 
     rank = dist.get_rank()
     if dist.get_world_size() != job.batch.tp_size:
         raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {job.batch.tp_size}")
+    if attention_fn is None:
+        attention_fn = attention_backend(job.backend, job.precision)
     result = run_forward(job.batch, job.inputs, job.weights, job.caches, precision=job.precision,
                          layers=job.layers, logit_rows=job.logit_rows, rank=rank,
-                         all_gather=torch_all_gather(device))
+                         all_gather=torch_all_gather(device), attention_fn=attention_fn,
+                         on_layer=job.on_layer if rank == 0 else None)
     return RankResult(rank, result, job.caches)
 
 
-def _spawned_rank(rank: int, job: DistributedJob, init_file: str, backend: str, device: str, out: Any) -> None:
+def _spawned_rank(rank: int, job: DistributedJob, init_file: str, backend: str, device: str, out: Any,
+                  attention_fn: AttentionFn | None = None) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # ranks share the machine's cores; numpy does the math
+    if device == "cuda":  # one GPU per rank (NCCL refuses two ranks on one device)
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=job.batch.tp_size)
     try:
-        out.put(run_rank(job, device=device))
+        out.put(run_rank(job, device=device, attention_fn=attention_fn))
     finally:
         dist.destroy_process_group()
 
@@ -156,9 +210,11 @@ def launch(job: DistributedJob, *, backend: str = "gloo", device: str = "cpu",
            timeout: float = GATHER_TIMEOUT_S) -> list[RankResult]:
     """Start ``job.batch.tp_size`` processes (torch.multiprocessing spawn), one per rank, and collect their results.
 
-    backend: a ``torch.distributed`` backend (``gloo`` on CPU, ``hccl`` on Ascend). Raises if a rank fails or
-    nothing arrives within ``timeout`` seconds (all processes are then terminated).
+    backend: a ``torch.distributed`` backend (``gloo`` on CPU, ``nccl`` with ``device="cuda"``: one GPU per rank,
+    ``hccl`` on Ascend). ``job.backend`` (the attention backend) is resolved here, once, and shipped to every
+    rank. Raises if a rank fails or nothing arrives within ``timeout`` seconds (all processes are then terminated).
     """
+    attention_fn = attention_backend(job.backend, job.precision)
     import torch.multiprocessing as mp
 
     tp = job.batch.tp_size
@@ -167,7 +223,7 @@ def launch(job: DistributedJob, *, backend: str = "gloo", device: str = "cpu",
     fd, init_file = tempfile.mkstemp(prefix="dspark-tp-")
     os.close(fd)
     os.unlink(init_file)  # the file store creates it
-    procs = mp.start_processes(_spawned_rank, args=(job, init_file, backend, device, out), nprocs=tp,
+    procs = mp.start_processes(_spawned_rank, args=(job, init_file, backend, device, out, attention_fn), nprocs=tp,
                                join=False, start_method="spawn")
     results: dict[int, RankResult] = {}
     try:

@@ -22,6 +22,10 @@ table width; all shapes static per call): ``positions``, ``request_ids`` [B, 1] 
 [R * width] int32 flattened; ``state`` [S, 2*coff*d] fp32 (after step 1); ``norm`` [1, d] fp32 (bf16 values);
 ``cos``, ``sin`` [B, rd/2] bf16 at the window start; out ``entries`` [B, d] bf16, or with ``hadamard``
 [d, d] bf16 in: out ``idx`` [B, d] int8 and ``idx_scale`` [B, 1] fp32.
+
+The window's state rows (``_window_state_rows``) are fp32 index arithmetic, exact below 2**24: ``run_pool``
+and ``compress_into`` raise ``ABIError`` ``kernel.index_range`` before any kernel runs (and before the ring
+is written) when R * width, a pool row or a position would reach it (:mod:`.index_guard`).
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
@@ -32,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark_kernels.pypto._ops import int8_rows, rms_norm
+from dspark_kernels.pypto.index_guard import check_table, table_issues
 from dspark_kernels.pypto.o_proj import _tile
 from dspark_kernels.pypto.projections import rope_heads
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
@@ -198,6 +203,7 @@ def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.nda
     """
     rows = len(positions)
     table = np.asarray(state_table, np.int32)
+    check_table("state_table", table, page, positions)  # fp32 window rows exact, before any kernel
     dim = norm.shape[-1]
     k = pool_kernel(rows, table.shape[0], table.shape[1], state.shape[0], dim, ratio, page, 2 * cos.shape[1],
                     float(eps), hadamard is not None)
@@ -220,7 +226,8 @@ def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, sta
     state_table [R, width] int32; state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor``
     (a2a3); cos, sin [P, rd/2] at each row's window start. Returns (boundary rows b [B] int64, outputs):
     outputs = (entries [B, d] float32 bf16 values,) or, with ``hadamard``, (idx [B, d] int8, idx_scale [B]).
-    Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped.
+    Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped, and
+    ``kernel.index_range`` if the pooling kernel's fp32 indices would round.
     """
     from dspark_abi.errors import ABIError
     from dspark_kernels.pypto.paged import run_scatter
@@ -228,6 +235,7 @@ def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, sta
 
     ratio = weights.ratio
     issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table")
+    issues += table_issues("state_table", state_table, page_size, positions)
     if issues:
         raise ABIError(issues)
     rows = run_state_rows(x, weights.wkv, weights.wgate, weights.ape, positions).values[-1]

@@ -16,7 +16,9 @@
 * ``ori_table``  [R * width] int32 in: the ori block table, flattened row-major.
 * ``rows``       [L, W] int32 out: column k < v = min(W, p+1) holds the physical row of key position
   ``p + 1 - v + k`` (``block * 32 + offset``); -1 for k >= v, unmapped pages and padding rows.
-Index arithmetic is done in fp32 (exact below 2**24), because integer shifts are not available for int32.
+Index arithmetic is done in fp32 (exact below 2**24), because integer shifts are not available for int32;
+the launchers raise ``ABIError`` ``kernel.index_range`` before building a kernel whose table entries
+(R * width), pool rows (block * 32 + offset) or positions would reach 2**24 (:mod:`.index_guard`).
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
@@ -27,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark_abi.layout import KV_PAGE_SIZE
+from dspark_kernels.pypto.index_guard import check_table
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 #: Fewest int32 columns a kernel row may have: pypto tiles need rows of at least 32 bytes
@@ -119,6 +122,7 @@ def run_window(positions: np.ndarray, request_ids: np.ndarray, ori_table: np.nda
     positions = np.asarray(positions, dtype=np.int32).reshape(-1, 1)
     request_ids = np.asarray(request_ids, dtype=np.int32).reshape(-1, 1)
     table = np.asarray(ori_table, dtype=np.int32)
+    check_table("ori_block_table", table, KV_PAGE_SIZE, positions)  # fp32 indices exact, before any kernel
     k = window_kernel(len(positions), table.shape[0], table.shape[1], window)
     return launch(k, [positions, request_ids, table.reshape(-1), Out((len(positions), window), np.int32, "rows")])
 
@@ -167,11 +171,13 @@ def entry_rows_kernel(rows: int, requests: int, width: int, columns: int, ratio:
 
 
 def run_entry_rows(positions: np.ndarray, request_ids: np.ndarray, table: np.ndarray, entries: np.ndarray | None,
-                   *, ratio: int = 0, columns: int | None = None) -> LaunchResult:
+                   *, ratio: int = 0, columns: int | None = None, table_name: str = "block_table"
+                   ) -> LaunchResult:
     """Physical rows [T, K] int32 (``values[-1]``) of compressed entries; see :func:`entry_rows_kernel`.
 
     CSA: ``entries`` [T, K] int (top-k logical entries, -1 = none), ``ratio=0``.
     HCA: ``entries=None``, ``ratio=128`` and ``columns`` = K, the widest visible count of the rows.
+    table_name: the table's name in a ``kernel.index_range`` issue (raised before any kernel is built).
     """
     positions = np.asarray(positions, dtype=np.int32).reshape(-1, 1)
     request_ids = np.asarray(request_ids, dtype=np.int32).reshape(-1, 1)
@@ -182,7 +188,9 @@ def run_entry_rows(positions: np.ndarray, request_ids: np.ndarray, table: np.nda
         entries = np.zeros((len(positions), columns), np.int32)
     elif ratio != 0:
         raise ValueError("given entries need ratio=0")
-    entries = np.asarray(entries, dtype=np.int32)
+    entries = np.asarray(entries, dtype=np.int64)
+    check_table(table_name, table, KV_PAGE_SIZE, np.concatenate([positions.reshape(-1), entries.reshape(-1)]))
+    entries = entries.astype(np.int32)
     wanted = entries.shape[1]
     if wanted < MIN_COLUMNS:  # rows of fewer than 32 bytes cannot be tiled; padded columns are dead (-1)
         entries = np.concatenate([entries, np.full((len(entries), MIN_COLUMNS - wanted), -1, np.int32)], axis=1)

@@ -1,6 +1,6 @@
 """`attention`: the whole attention module of one layer over a packed batch (SWA, CSA and HCA layers).
 
-Order (upstream-design 5.7 / 5.9, reference-math 3-6):
+Order (upstream's CSA / HCA layer assembly; DeepSeek-V4 ``Attention.forward``):
 
 1. KV side, over all P group rows (every TP rank recomputes it, as upstream's DSA-CP does):
    shared kv -> ``ori`` cache write; compressor -> ``csa_cmp`` / ``hca_cmp`` writes (state ring first);

@@ -59,25 +59,36 @@ def check_attention_inputs(batch: Any, layer: Any, x: Any, weights: Any, caches:
 def _check_pools(batch: PackedBatch, caches: LayerCaches) -> list[Issue]:
     if caches.config != batch.config:
         return []  # reported above
+    return pool_array_issues(caches, batch.pool_blocks)
+
+
+def pool_array_issues(caches: LayerCaches, pool_blocks: Any, field: str = "caches") -> list[Issue]:
+    """Issues for every pool of the layer's kind: its block count must be ``pool_blocks[pool]``, its array
+    ``[blocks * page_size, *row_shape]`` of the precision's dtype (``idx_scale``: ``[blocks * page_size]``).
+
+    ``field`` prefixes the issue fields (``caches.ori``, or ``caches.layers.3.ori`` for a model's caches).
+    Only reads shapes and dtypes, so it is safe to run before any pool is indexed.
+    """
     issues = []
-    pools = batch.config.layout.pools
+    pools = caches.config.layout.pools
+    own_blocks = caches.pool_blocks if isinstance(caches.pool_blocks, dict) else {}
     for name in POOLS_BY_KIND[caches.kind]:
-        want = batch.pool_blocks[name]
-        if caches.pool_blocks.get(name) != want:
-            issues.append(Issue("config.mismatch", f"caches.pool_blocks.{name}",
+        want = pool_blocks[name]
+        if own_blocks.get(name) != want:
+            issues.append(Issue("config.mismatch", f"{field}.pool_blocks.{name}",
                                 "caches and batch disagree on the pool's block count", expected=want,
-                                actual=caches.pool_blocks.get(name)))
+                                actual=own_blocks.get(name)))
             continue
         shape = (want * pools[name].page_size, *pools[name].row_shape)
         dtype = np.int8 if name == "idx" and caches.precision == "a2a3" else np.float32
         arrays = [(name, getattr(caches, name), shape, dtype)]
         if name == "idx":
             arrays.append(("idx_scale", caches.idx_scale, shape[:1], np.float32))
-        for field, array, expected, expected_dtype in arrays:
+        for pool, array, expected, expected_dtype in arrays:
             if not isinstance(array, np.ndarray) or array.shape != expected:
-                issues.append(Issue("array.shape", f"caches.{field}", "pool array does not match its layout",
+                issues.append(Issue("array.shape", f"{field}.{pool}", "pool array does not match its layout",
                                     expected=list(expected), actual=list(getattr(array, "shape", ()))))
             elif array.dtype != expected_dtype:
-                issues.append(Issue("array.dtype", f"caches.{field}", "pool array has the wrong dtype",
+                issues.append(Issue("array.dtype", f"{field}.{pool}", "pool array has the wrong dtype",
                                     expected=np.dtype(expected_dtype).name, actual=array.dtype.name))
     return issues

@@ -1,6 +1,6 @@
 """The model head: hc_head stream reduction, final RMSNorm, LM head over requested rows and greedy sampling.
 
-Math (upstream-design section 5.10 "Head"; DeepSeek-V4 ``ParallelHead``):
+Math (upstream's head stage; DeepSeek-V4 ``ParallelHead``):
 ``x_out = rms(hc_head(x_hc), norm_w)`` for every row, ``logits = x_out[rows] @ head_w.T`` (fp32) for the
 requested rows only, ``sampled = argmax(logits)`` (first maximum). Rows with index -1 are inactive: their logits
 are zero and their sampled id is -1.

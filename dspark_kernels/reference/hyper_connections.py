@@ -1,6 +1,6 @@
 """Hyper-connections: the ``hc_mult`` residual streams around attention and the FFN, and the head's reduction.
 
-Math (upstream-design section 5.1 step 1 and 5.10; DeepSeek-V4 ``Block.hc_pre`` / ``hc_post`` /
+Math (upstream's pre-attention and post-attention stages; DeepSeek-V4 ``Block.hc_pre`` / ``hc_post`` /
 ``ParallelHead.hc_head``). For a row with streams ``x [hc, D]`` flattened to ``f [hc*D]``:
 
 * ``rho = rsqrt(mean(f**2) + rms_norm_eps)`` and ``mix = (f @ fn.T) * rho`` -> ``[(2 + hc) * hc]``;

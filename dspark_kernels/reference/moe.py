@@ -1,6 +1,6 @@
 """MoE FFN: gate (sqrtsoftplus scoring, bias-shifted top-k or hash routing), routed SwiGLU experts, shared expert.
 
-Math (DeepSeek-V4 ``Gate`` / ``Expert`` / ``MoE``; upstream-design section 5.10), for a row ``x [D]``:
+Math (DeepSeek-V4 ``Gate`` / ``Expert`` / ``MoE``; upstream's post-attention stage), for a row ``x [D]``:
 
 * ``s = score(x @ gate_w.T)`` with ``score`` = sqrt(softplus(.)) (``sqrtsoftplus``), softmax or sigmoid;
 * selection: hash layers (``layer < num_hash_layers``) take ``tid2eid[token_id]``; other layers take the

@@ -4,7 +4,7 @@ RMSNorm and the Sylvester Hadamard matrix.
 Two precisions exist:
 
 * ``"fp32"`` (the default): DeepSeek's exact meaning. Every value stays float32, nothing is quantised.
-* ``"a2a3"``: the numerics of the a2a3 kernels (upstream-design section 5): bf16 activations and caches,
+* ``"a2a3"``: the numerics of the a2a3 kernels (upstream's golden references): bf16 activations and caches,
   int8 projections with per-row symmetric scales, fp32 accumulation. bf16 values are held in float32
   arrays whose values are exactly representable in bf16 (round to nearest even), and int8 values in
   float32 or int8 arrays holding integers in [-127, 127].

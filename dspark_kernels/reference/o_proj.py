@@ -1,4 +1,4 @@
-"""Grouped output projection (reference-math 6, upstream-design 5.3).
+"""Grouped output projection (DeepSeek-V4 ``Attention.forward``; upstream's sparse attention output stage).
 
 Heads are split into G = o_groups groups of heads_per_group consecutive heads; group g's concatenated
 outputs ``o_g`` [H*D/G] go through its own ``wo_a[g]`` [Ro, H*D/G] (rows ``g*Ro .. g*Ro+Ro-1`` of

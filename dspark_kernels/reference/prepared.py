@@ -1,7 +1,7 @@
 """The weight arrays each precision computes with, derived once from an `AttentionWeights`.
 
 ``"fp32"``: the checkpoint's float32 arrays unchanged; no scales.
-``"a2a3"``: the dtypes of upstream's a2a3 kernels (upstream-design section 3.1):
+``"a2a3"``: the dtypes of upstream's a2a3 kernels (their prefill entry's tensor list):
 
 * bf16 (bf16-rounded float32): ``wq_a``, ``q_norm``, ``wkv``, ``kv_norm``, ``wo_a``, compressor ``wkv``/``wgate``/
   ``norm``, indexer ``weights_proj``, and the Hadamard matrix;

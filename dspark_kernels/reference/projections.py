@@ -1,4 +1,4 @@
-"""Query and shared-KV projections of an attention layer (reference-math 3, upstream-design 5.1).
+"""Query and shared-KV projections of an attention layer (DeepSeek-V4 ``Attention``; upstream's pre-attention stage).
 
 q path (query rows): ``qr = rms_norm(x @ wq_a.T, q_norm)`` [T, Q];
 ``q = (qr @ wq_b.T).reshape(T, H, D)``, an unweighted per-head RMS norm, RoPE on the last rd dims at the

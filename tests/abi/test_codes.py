@@ -180,7 +180,7 @@ def test_lowering_rejects_bad_qsl():
 TESTED_HERE = set(MUTATIONS) | {
     "qsl.shape", "qsl.empty_request", "pools.blocks", "rank.index", "rank.replicated_mismatch",
     "rank.local_mismatch", "config.invalid", "config.mismatch", "builder.request", "alloc.exhausted",
-    "alloc.unknown_request",
+    "alloc.unknown_request", "alloc.stale_plan", "kernel.index_range",
 }
 
 

@@ -48,6 +48,15 @@ def test_prefill_group_and_thread_ranks_agree():
     assert [r["positions"] for r in group["requests"]] == [[126, 128], [30, 33]]
 
 
+def test_prefill_mistakes_end_in_one_line_from_the_installed_command():
+    """The real process: exit codes and one-line stderr survive `sys.exit(main())` (details in
+    test_cli_prefill_errors.py)."""
+    usage = run("dspark_kernels.cli", "prefill", "--request", "3@0", "--seed", "-1", check=False)
+    assert usage.returncode == 2 and len(usage.stderr.strip().splitlines()) == 1 and "--seed" in usage.stderr
+    bad = run("dspark_kernels.cli", "prefill", "--request", "3@5000", check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
 def test_abi_build_png(tmp_path):
     png = tmp_path / "layout.png"
     run("dspark_abi.cli", "build", "--request", "3@126", "--request", "4@30", "--tp", "2", "--png", str(png))

@@ -167,3 +167,55 @@ def test_pool_exhaustion_mid_run_leaves_caches_and_tables_intact(weights):
     b.clear()
     result = step(b, caches, 0, 40, prompt[40:])
     np.testing.assert_array_equal(result.hidden, expected.hidden)  # physical blocks never change the math
+
+
+@pytest.mark.parametrize("layers", [[1.5], ["1"], 3, [True], [np.float64(2.0)]], ids=repr)
+def test_non_integer_layers_are_coded_before_anything_is_touched(weights, layers):
+    batch, caches = _setup()
+    before = _state(caches)
+    with pytest.raises(ABIError) as err:
+        prefill(batch, batch.token_ids, weights, caches, layers=layers)
+    assert err.value.codes == {"config.invalid"}
+    assert err.value.issues[0].field == "layers"
+    _assert_unchanged(caches, before)
+
+
+def _cut(array, rows=10):
+    return array[:rows].copy()
+
+
+@pytest.mark.parametrize("damage", ["ori", "idx_scale", "csa_state", "layer_list", "layer_object"])
+def test_cut_short_caches_are_coded_before_anything_is_touched(weights, damage):
+    """A pool array replaced by a shorter one (or a missing layer) is an issue, not an IndexError half-way."""
+    batch, caches = _setup()
+    if damage == "layer_list":
+        del caches.layers[-1]
+        field, code = "caches.layers", "array.shape"
+    elif damage == "layer_object":
+        caches.layers[2] = caches.layers[1]  # layer 1's pools where layer 2's belong
+        field, code = "caches.layers.2", "config.mismatch"
+    else:
+        layer = {"ori": 1, "idx_scale": 3, "csa_state": 1}[damage]
+        setattr(caches.layers[layer], damage, _cut(getattr(caches.layers[layer], damage)))
+        field, code = f"caches.layers.{layer}.{damage}", "array.shape"
+    before = _state(caches)
+    with pytest.raises(ABIError) as err:
+        prefill(batch, batch.token_ids, weights, caches)
+    assert err.value.codes == {code}
+    assert [i.field for i in err.value.issues] == [field]
+    _assert_unchanged(caches, before)
+
+
+def test_pypto_index_range_is_checked_before_anything_is_touched(weights):
+    """The pypto kernels index in fp32: an ori pool of more than 2**24 rows is refused up front."""
+    big = dict(pool_blocks_for(TINY, [40]).as_dict(), ori=2**24 // 32 + 1)
+    builder = BatchBuilder(TINY, PaddingPolicy(), BlockAllocator(TINY, big))
+    builder.add(0, num_cached=0, num_new=7)
+    batch = builder.build()
+    caches = ModelCaches.allocate(TINY, pool_blocks_for(TINY, [40]), precision="a2a3")  # cannot hold 2**24 rows
+    before = _state(caches)
+    with pytest.raises(ABIError) as err:
+        prefill(batch, np.zeros(batch.padded_rows, np.int64), weights, caches, backend="pypto", precision="a2a3")
+    issue = next(i for i in err.value.issues if i.code == "kernel.index_range")
+    assert issue.field == "ori_block_table" and issue.actual == 2**24 // 32
+    _assert_unchanged(caches, before)

@@ -1,8 +1,8 @@
 """A straightforward loop implementation of DeepSeek-V4 attention for ONE sequence from position 0.
 
-Written directly from reference-math.md (token loops, no paging, no state ring, no tiling) and used as
-the independent oracle of the fp32 reference backend. Only float32 definitions are shared in spirit
-(RoPE angles are fp32 products, as DeepSeek builds its tables); no code from the backend is used.
+Written directly from DeepSeek's V4 inference ``model.py`` (docs/glossary.md): token loops, no paging, no state
+ring, no tiling. Used as the independent oracle of the fp32 reference backend. Only float32 definitions are
+shared in spirit (RoPE angles are fp32 products, as DeepSeek builds its tables); no code from the backend is used.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def sylvester(n: int) -> np.ndarray:
 
 def compress_sequence(x: np.ndarray, wkv: np.ndarray, wgate: np.ndarray, ape: np.ndarray, norm: np.ndarray,
                       ratio: int, om: np.ndarray, eps: float) -> np.ndarray:
-    """Entries [S // ratio, d] of a sequence x [S, X] from position 0 (reference-math 4)."""
+    """Entries [S // ratio, d] of a sequence x [S, X] from position 0 (DeepSeek-V4 ``Compressor``)."""
     d = norm.size
     a = x @ wkv.T
     z = np.stack([x[t] @ wgate.T + ape[t % ratio] for t in range(x.shape[0])]) if len(x) else a

@@ -1,4 +1,4 @@
-"""Compressors (ratio 4 and 128) and their state rings against the loop definition of reference-math 4."""
+"""Compressors (ratio 4 and 128) and their state rings against the loop definition of DeepSeek-V4's ``Compressor``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+from tolerances import order_atol
 
 from dspark_abi.errors import ABIError
 from dspark_kernels.reference.compressor import compress, window_start_positions
@@ -15,8 +16,18 @@ from .oracle import compress_sequence
 
 D, X, RD = 8, 6, 4
 OMEGA = np.array([0.3, 0.01], np.float32)
-#: Stage vs loop (float64 softmax in the loop): measured <= 4e-7.
-STAGE_TOL = 1e-5
+
+
+def stage_k(ratio: int) -> int:
+    """Summed reduction lengths of a compressor entry: projections (X), the softmax pooling's numerator and
+    denominator over coff * ratio rows, the norm (D).
+
+    Stage vs loop (float64 softmax in the loop) differ in summation order: ``order_atol(want, stage_k, c=2)``
+    (tests/tolerances.py). c = 2 because at K ~ 30 the ~9 elementwise roundings after the reductions (softmax,
+    norm scaling, RoPE) weigh as much as the reductions; measured <= 0.25 of the bound (<= 2.5 fp32 ulps of
+    max|want|) over 4 OpenBLAS kernels and numpy SIMD levels.
+    """
+    return X + 2 * (2 if ratio == 4 else 1) * ratio + D
 
 
 def weights(ratio: int, seed: int = 0) -> PreparedCompressor:
@@ -56,7 +67,8 @@ def test_compress_matches_loop_across_chunks(ratio, page, length, cuts):
     got = run(ratio, x, list(itertools.pairwise(bounds)), page, table, pool, w)
     want = compress_sequence(x, w.wkv, w.wgate, w.ape, w.norm, ratio, OMEGA, 1e-6)
     assert sorted(got) == list(range(length // ratio))
-    np.testing.assert_allclose(np.stack([got[j] for j in sorted(got)]), want, rtol=STAGE_TOL, atol=STAGE_TOL)
+    np.testing.assert_allclose(np.stack([got[j] for j in sorted(got)]), want, rtol=0,
+                               atol=order_atol(want, stage_k(ratio), c=2))
 
 
 def test_ratio128_requires_mapped_history():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import ml_dtypes
@@ -98,3 +99,81 @@ def test_missing_files_and_shared_layers():
     w = ModelWeights.random(TINY, 0, share_layers=True)
     one, three = w.layer(1), w.layer(3)  # both CSA, learned gate: the same arrays, own layer index
     assert three.layer == 3 and three.attn.layer == 3 and three.moe.w1 is one.moe.w1
+
+
+def _held_arrays(obj, seen: dict[int, np.ndarray]) -> None:
+    """Every distinct numpy array reachable through attrs objects, dicts and sequences."""
+    import attrs
+
+    if isinstance(obj, np.ndarray):
+        seen.setdefault(id(obj), obj)
+    elif attrs.has(type(obj)):
+        for f in attrs.fields(type(obj)):
+            _held_arrays(getattr(obj, f.name), seen)
+    elif isinstance(obj, dict | list | tuple):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            _held_arrays(v, seen)
+
+
+def test_weight_memory_estimate_matches_the_materialised_model():
+    from dspark_kernels import memory
+
+    w = ModelWeights.random(TINY, 0)
+    seen: dict[int, np.ndarray] = {}
+    for i in range(TINY.num_layers):
+        _held_arrays(w.layer(i), seen)
+    _held_arrays(w.head(), seen)
+    _held_arrays(w.embed(), seen)
+    actual = sum(a.nbytes for a in seen.values())
+    estimate = memory.weight_bytes(TINY)
+    assert abs(estimate - actual) <= 0.10 * actual, (estimate, actual)  # measured: equal (7474212 bytes)
+    est = memory.estimate_prefill(TINY, {p: 4 for p in ("ori", "csa_cmp", "hca_cmp", "idx", "csa_state",
+                                                        "csa_inner_state", "hca_state")}, rows=8)
+    assert est.weights >= actual and est.total == est.weights + est.caches + est.activations
+
+
+def test_cache_memory_estimate_matches_the_allocation():
+    from dspark_abi.allocator import pool_blocks_for
+    from dspark_kernels import memory
+    from dspark_kernels.model_caches import ModelCaches
+
+    blocks = pool_blocks_for(TINY, [300, 40])
+    for precision in ("fp32", "a2a3"):
+        caches = ModelCaches.allocate(TINY, blocks, precision=precision)
+        assert memory.cache_bytes(TINY, blocks, precision) == sum(a.nbytes for a in caches.arrays().values())
+
+
+def test_flash_estimate_counts_every_routed_expert():
+    from dspark_abi.presets import FLASH
+    from dspark_kernels import memory
+
+    experts = memory.weight_bytes_by_layer(FLASH)[2]
+    m = FLASH.moe
+    per_layer = m.n_routed_experts * 3 * m.moe_intermediate_size * FLASH.hidden_size * 4
+    assert experts == [per_layer] * FLASH.num_layers  # 24 GiB of fp32 routed experts per layer
+    assert memory.weight_bytes(FLASH) > FLASH.num_layers * per_layer
+
+
+def test_wrong_checkpoint_error_is_summarised_in_one_line(tmp_path: Path):
+    names = list(weight_specs(TINY))
+    save_file({f"model.{n}": np.zeros(1, np.float32) for n in names}, str(tmp_path / "hf.safetensors"))
+    with pytest.raises(mw.WeightsError) as err:
+        ModelWeights.from_safetensors(tmp_path, TINY)
+    assert isinstance(err.value, ABIError) and len(err.value.issues) == len(names)  # every issue kept
+    summary = err.value.summary()
+    assert "\n" not in summary and len(summary) < 400
+    assert summary.startswith(f"{len(names)} of {len(names)} tensors tiny needs are missing (embed.weight, ")
+    assert f"holds {len(names)} tensors tiny does not read (model.embed.weight, " in summary
+
+
+def test_unreadable_safetensors_file_is_named(tmp_path: Path):
+    bad = tmp_path / "model-00002.safetensors"
+    bad.write_bytes(b"\x00" * 5)
+    with pytest.raises(mw.WeightsError) as err:
+        ModelWeights.from_safetensors([bad], TINY)
+    assert err.value.unreadable == (str(bad),) and err.value.codes == {"array.missing"}
+    assert str(bad) in err.value.summary() and "header" in err.value.summary()
+    again = pickle.loads(pickle.dumps(err.value))  # crosses process boundaries intact
+    assert again.summary() == err.value.summary() and again.issues == err.value.issues
+    with pytest.raises(mw.WeightsError, match="cannot read"):
+        ModelWeights.from_safetensors(tmp_path / "absent.safetensors", TINY)

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from tolerances import moe_reductions, order_atol
 
 from dspark_abi.presets import TINY
 from dspark_kernels.reference.moe import MoEWeights, moe, route
@@ -106,8 +107,14 @@ def test_live_mask_zero_rows_and_permutation_invariance():
     got = moe(x, w, TINY, live=live)
     assert not got[[3, 11]].any()
     perm = rng.permutation(12)
-    np.testing.assert_allclose(moe(x[perm], w, TINY)[np.argsort(perm)], moe(x, w, TINY), rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(got[live], moe(x[live], w, TINY), rtol=1e-6, atol=1e-7)
+    ref, ref_live = moe(x, w, TINY), moe(x[live], w, TINY)
+    # permuted or fewer rows sit elsewhere in the expert matmuls' blocks: two summation orders over the MoE chain
+    # (gate D, up D, down I), so |diff| <= eps32 * sqrt(2D + I) * max|out| (tests/tolerances.py; measured <= 0.2 of
+    # it over 40 seeds and 4 OpenBLAS kernels). Elementwise rtol cannot hold where outputs cancel to ~0.
+    atol = order_atol(ref, moe_reductions(TINY))
+    assert np.abs(ref[[1, 0]] - ref[[0, 1]]).max() > 100 * atol  # the bound sees one swapped row
+    np.testing.assert_allclose(moe(x[perm], w, TINY)[np.argsort(perm)], ref, rtol=0, atol=atol)
+    np.testing.assert_allclose(got[live], ref_live, rtol=0, atol=order_atol(ref_live, moe_reductions(TINY)))
 
 
 def test_hash_layer_needs_token_ids():

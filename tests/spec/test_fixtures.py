@@ -170,3 +170,80 @@ def test_corrupted_bytes_never_escape_as_other_exceptions(tmp_path):
             assert all(c.startswith("fixture.") for c in exc.codes), exc
             outcomes |= exc.codes
     assert "fixture.unreadable" in outcomes and len(outcomes) >= 3
+
+
+def with_tensor(tmp_path, name: str, shape: list, *, in_manifest: bool = True, file: str = "t.safetensors") -> Path:
+    """A copy of a valid vector with one more zero-byte float32 tensor ``name`` of ``shape`` in the header."""
+    src = (VECTORS / "valid" / "ragged2_tp2.safetensors").read_bytes()
+    (header_len,) = struct.unpack("<Q", src[:8])
+    header, data = json.loads(src[8:8 + header_len]), src[8 + header_len:]
+    if in_manifest:
+        manifest = json.loads(header["__metadata__"][MANIFEST_KEY])
+        manifest["tensors"][name] = {"dtype": "float32", "shape": shape}
+        header["__metadata__"][MANIFEST_KEY] = json.dumps(manifest)
+    header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [len(data), len(data)]}
+    path = tmp_path / file
+    path.write_bytes(fixtures.pack_header(header) + data)
+    return path
+
+
+@pytest.mark.parametrize("shape", [[0, 2**70], [2**62, 0], [0] * 65, [1] * 40 + [0] * 30, [2**40, 2**40, 0]],
+                         ids=["0x2^70", "2^62x0", "65_dims", "70_dims", "2^40x2^40x0"])
+def test_zero_size_tensors_with_hostile_shapes_are_unreadable(tmp_path, shape):
+    path = with_tensor(tmp_path, "extra.x", shape)
+    with pytest.raises(ABIError) as err:
+        fixtures.read(path)
+    assert err.value.codes == {"fixture.unreadable"}
+    assert err.value.issues[0].field == "extra.x"
+
+
+def test_sane_zero_size_tensors_are_read(tmp_path):
+    path = with_tensor(tmp_path, "extra.empty", [0, 3, 2**20])
+    assert fixtures.read(path).extras["empty"].shape == (0, 3, 2**20)
+
+
+def test_missing_path_directory_and_fifo_say_the_actual_fix(tmp_path):
+    fixes = {}
+    for kind, path in (("missing", tmp_path / "absent.safetensors"), ("directory", tmp_path)):
+        with pytest.raises(ABIError) as err:
+            fixtures.read(path)
+        (issue,) = err.value.issues
+        assert issue.code == "fixture.unreadable" and "regenerate" not in issue.hint
+        fixes[kind] = issue.hint
+    assert "check the path" in fixes["missing"]
+    assert "directory" in fixes["directory"] and ".safetensors" in fixes["directory"]
+
+
+def test_fifo_is_refused_without_opening_it(tmp_path):
+    import os
+    import threading
+
+    fifo = tmp_path / "f.safetensors"
+    os.mkfifo(fifo)
+    outcome = {}
+
+    def target():
+        try:
+            fixtures.read(fifo)
+        except ABIError as exc:
+            outcome["issues"] = exc.issues
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout=5)
+    if worker.is_alive():  # stuck in open(): release it by opening the writing end, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=10)
+        pytest.fail("reading a FIFO blocked in open()")
+    (issue,) = outcome["issues"]
+    assert issue.code == "fixture.unreadable" and "not a regular file" in issue.hint
+
+
+def test_an_issue_can_carry_its_own_fix():
+    from dspark_abi.errors import CODES, Issue
+
+    generic = Issue("fixture.unreadable", "file", "cannot open the file")
+    specific = Issue("fixture.unreadable", "file", "cannot open the file", fix="check the path")
+    assert generic.hint == CODES["fixture.unreadable"][1]
+    assert specific.hint == "check the path" and specific.to_dict()["hint"] == "check the path"
+    assert str(specific).endswith("Fix: check the path")

@@ -11,7 +11,8 @@ from .conftest import SPEC, VECTORS, entries_of, index_entries
 
 #: Codes no fixture file can produce; the API tests in tests/abi/test_codes.py raise them.
 API_ONLY_CODES = {"pools.blocks", "rank.index", "rank.replicated_mismatch", "rank.local_mismatch", "config.invalid",
-                  "config.mismatch", "builder.request", "alloc.exhausted", "alloc.unknown_request"}
+                  "config.mismatch", "builder.request", "alloc.exhausted", "alloc.unknown_request",
+                  "alloc.stale_plan", "kernel.index_range"}
 #: Keep the committed vectors small enough for any checkout (measured: 3.8 MB).
 MAX_VECTOR_BYTES = 10 * 2**20
 
