@@ -76,7 +76,7 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
         return run_scatter(np.zeros((64 * 32, d), bf), np.zeros((p_rows, d), bf),
                            np.arange(p_rows, dtype=np.int64)).cycles
     if stage == "window":
-        from dspark_kernels.pypto.paged import run_window
+        from dspark_kernels.pypto.window import run_window
 
         width = c.layout.pools["ori"].table_width
         table = rng.permutation(requests * width).astype(np.int32).reshape(requests, width)

@@ -1,21 +1,33 @@
-"""dspark_abi: the typed, validated metadata ABI of packed multi-request DSpark prefill."""
+"""dspark_abi: the typed, validated metadata ABI of packed multi-request DSpark prefill.
+
+The core modules (config, layout, pools, policy, errors, lowering, rules, validation, ranks, batch,
+allocator, builder, presets, testing) import nothing outside the core; ``dspark_abi.io`` (fixture files,
+manifest, schema), ``dspark_abi.conformance`` (vectors and their runner) and ``dspark_abi.cli`` (the
+``dspark-abi`` command) build on it.
+"""
+
+from collections.abc import Mapping
+from typing import Any
 
 from dspark_abi.allocator import BlockAllocator
-from dspark_abi.batch import PackedBatch, PoolBlocks, RankView, RequestTables, SlotMappings
+from dspark_abi.batch import PackedBatch, RankView, RequestTables, SlotMappings
 from dspark_abi.builder import BatchBuilder
 from dspark_abi.config import ModelConfig, MoEConfig, RopeScaling
 from dspark_abi.errors import CODES, ABIError, Issue, ValidationReport
 from dspark_abi.layout import POOL_NAMES, CacheLayout, PoolLayout
 from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.validate import validate_arrays
+from dspark_abi.pools import PoolBlocks
+from dspark_abi.validation import Level, validate_arrays
 
 __version__ = "1.0.0"
 #: Version of the metadata ABI specification this library implements (spec/v1).
 ABI_VERSION = "1.0"
 
 
-def validate(batch_or_arrays, config=None, policy=None, pool_blocks=None, *, hidden=None, level="full"):
+def validate(batch_or_arrays: PackedBatch | Mapping[str, Any], config: ModelConfig | None = None,
+             policy: PaddingPolicy | None = None, pool_blocks: PoolBlocks | Mapping[str, int] | None = None, *,
+             hidden: Any = None, level: Level = "full") -> ValidationReport:
     """Validate a :class:`PackedBatch` (with optional hidden rows) or flat ABI arrays; returns a report.
 
     For arrays, pass ``config``, ``policy`` and ``pool_blocks``. Never raises for bad data.

@@ -1,4 +1,4 @@
-"""Shared building blocks: the strict pydantic base and read-only numpy field helpers."""
+"""Shared building blocks: the strict pydantic base, array equality for attrs fields, integer helpers."""
 
 from __future__ import annotations
 
@@ -23,16 +23,6 @@ class StrictModel(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
     )
-
-
-def readonly(array: Any, dtype: Any | None = None) -> np.ndarray:
-    """Return a read-only, C-contiguous copy of ``array`` (never a view of the caller's buffer).
-
-    Copying means a caller that mutates its own array afterwards cannot change a frozen object.
-    """
-    out = np.array(array, dtype=dtype, copy=True, order="C")
-    out.flags.writeable = False
-    return out
 
 
 def array_eq(a: Any, b: Any) -> bool:

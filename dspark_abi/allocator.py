@@ -20,10 +20,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dspark_abi.batch import PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES, PoolLayout, live_range
+from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, touched_pages
+from dspark_abi.pools import PoolBlocks
 
 
 def _expand(lo: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -33,19 +33,34 @@ def _expand(lo: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, lo[owner] + (np.arange(owner.size) - first[owner])
 
 
+Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @attrs.frozen
 class StepPlan:
-    """What one step would change: per pool, the table cells to map and the cells to release."""
+    """What one step would change: per pool, the table cells to map and the cells to release.
+
+    Attributes:
+        request_ids: The step's request ids, in batch order.
+        new_ids: Those the allocator did not know before the step.
+        rows: [R] allocator table row of each request (provisional for new ones until the commit).
+        map_cells: Pool -> (rows, pages, blocks) the step maps.
+        release_cells: Pool -> (rows, pages, blocks) the step releases (state-ring pages out of reach).
+        ends: [R] cached tokens of each request after the step.
+        state_keep: State pool -> [R] first page kept after the step.
+        owner: Token of the allocator that made the plan.
+        generation: The allocator's generation the plan was made on.
+    """
 
     request_ids: tuple[int, ...]
     new_ids: tuple[int, ...]
-    rows: np.ndarray                                   # [R] allocator table row of each request
-    map_cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]      # pool -> (rows, pages, blocks)
-    release_cells: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # pool -> (rows, pages, blocks)
-    ends: np.ndarray                                   # [R] cached tokens after the step
-    state_keep: dict[str, np.ndarray]                  # state pool -> [R] first page kept after the step
-    owner: object = None                               # token of the allocator that made the plan
-    generation: int = -1                               # the allocator's generation the plan was made on
+    rows: np.ndarray
+    map_cells: dict[PoolName, Cells]
+    release_cells: dict[PoolName, Cells]
+    ends: np.ndarray
+    state_keep: dict[PoolName, np.ndarray]
+    owner: object = None
+    generation: int = -1
 
 
 class BlockAllocator:
@@ -70,7 +85,8 @@ class BlockAllocator:
         self.layout = config.layout
         self.pool_blocks = PoolBlocks.from_mapping(pool_blocks)
         # free stacks hold ids in descending order so that popping from the end yields ascending ids
-        self._free = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32) for p in POOL_NAMES}
+        self._free: dict[str, np.ndarray] = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32)
+                                             for p in POOL_NAMES}
         self._tables = {p: np.full((capacity, self.layout.pools[p].table_width), -1, np.int32) for p in POOL_NAMES}
         self._state_floor = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}  # lowest maybe-mapped page
         self._row_of: dict[int, int] = {}
@@ -113,14 +129,32 @@ class BlockAllocator:
                 raise ABIError([_unknown(request_id)])
             return self._cached[request_id]
 
-    def table_rows(self, request_ids: Sequence[int]) -> dict[str, np.ndarray]:
-        """pool -> [R, width] int32 copy of the tables of ``request_ids`` (in that order)."""
+    def table_rows(self, request_ids: Sequence[int], plan: StepPlan | None = None) -> dict[PoolName, np.ndarray]:
+        """pool -> [R, width] int32 copy of the block tables of ``request_ids`` (in that order).
+
+        With ``plan`` (made by :meth:`plan` on this allocator, not yet committed): the tables as they will be
+        once it is committed, its releases and new mappings applied; ``request_ids`` may then name the plan's
+        new requests too. This is how :class:`~dspark_abi.builder.BatchBuilder` gets a step's tables. A plan
+        another commit or release overtook raises ``alloc.stale_plan``.
+        """
         with self._lock:
-            unknown = [i for i, r in enumerate(request_ids) if r not in self._row_of]
+            if plan is not None:
+                self._check_current(plan)
+            planned = {} if plan is None else dict(zip(plan.request_ids, plan.rows.tolist(), strict=True))
+            unknown = [i for i, r in enumerate(request_ids) if r not in self._row_of and r not in planned]
             if unknown:
                 raise ABIError([_unknown(request_ids[unknown[0]], index=unknown[0], count=len(unknown))])
-            rows = np.array([self._row_of[r] for r in request_ids], dtype=np.int64)
-            return {p: self._tables[p][rows] for p in POOL_NAMES}
+            rows = np.array([self._row_of.get(r, planned.get(r)) for r in request_ids], dtype=np.int64)
+            tables = {p: self._tables[p][rows] for p in POOL_NAMES}
+            if plan is not None:  # the step's tables = current rows - this plan's releases + its new mappings
+                for p in POOL_NAMES:
+                    r_rows, r_pages, _ = plan.release_cells[p]
+                    m_rows, m_pages, m_blocks = plan.map_cells[p]
+                    at, found = _positions(rows, r_rows)
+                    tables[p][at, r_pages[found]] = -1
+                    at, found = _positions(rows, m_rows)
+                    tables[p][at, m_pages[found]] = m_blocks[found]
+            return tables
 
     # ------------------------------------------------------------------ planning
     def plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
@@ -138,7 +172,10 @@ class BlockAllocator:
         provisional = {r: next(spare) for r in new_ids}
         rows = np.array([self._row_of.get(r, provisional.get(r)) for r in request_ids], dtype=np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-        map_cells, release_cells, state_keep, short = {}, {}, {}, []
+        to_map: dict[PoolName, tuple[np.ndarray, np.ndarray]] = {}
+        release_cells: dict[PoolName, Cells] = {}
+        state_keep: dict[PoolName, np.ndarray] = {}
+        short: list[Issue] = []
         fresh = np.isin(rows, list(provisional.values()))      # rows of requests new in this step
         for p in POOL_NAMES:
             pl = self.layout.pools[p]
@@ -150,15 +187,16 @@ class BlockAllocator:
                                    f"pool {p!r} has {available} free blocks, this step needs {cells[0].size}",
                                    expected=f">= {cells[0].size} free", actual=available))
                 continue
-            map_cells[p], release_cells[p] = cells, released
+            to_map[p], release_cells[p] = cells, released
             if pl.is_state:
                 keep = np.maximum(0, starts - pl.state_len) // pl.page_size
                 state_keep[p] = np.where(ends > starts, keep, 0)
         if short:
             raise ABIError(short)
         # blocks are assigned in plan order: released blocks are reused first, then the free stack
+        map_cells: dict[PoolName, Cells] = {}
         for p in POOL_NAMES:
-            r_rows, r_pages = map_cells[p]
+            r_rows, r_pages = to_map[p]
             pool = np.concatenate([self._free[p], release_cells[p][2][::-1].astype(np.int32)])
             blocks = pool[::-1][: r_rows.size] if r_rows.size else np.empty(0, np.int32)
             map_cells[p] = (r_rows, r_pages, blocks.astype(np.int32))
@@ -167,11 +205,9 @@ class BlockAllocator:
 
     def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                   fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
-        has = hi > lo
-        page_lo = np.where(has, lo // pl.page_size, 0)
-        count = np.where(has, (hi - 1) // pl.page_size - page_lo + 1, 0)
-        owner, page = _expand(page_lo, count)
+        """(rows, pages) of the pages the step touches that are not mapped yet (empty requests keep their
+        live range mapped too)."""
+        owner, page = touched_pages(pl, starts, ends, self.config.sliding_window, keep_empty=True)
         current = np.where(fresh[owner], -1, self._tables[pl.name][rows[owner], page])
         need = current < 0
         return rows[owner][need], page[need]
@@ -196,17 +232,21 @@ class BlockAllocator:
         Raises ``alloc.stale_plan`` (changing nothing) if the plan was made by another allocator or if a
         commit or release happened on this one since the plan was made."""
         with self._lock:
-            if plan.owner is not self._token or plan.generation != self._generation:
-                foreign = plan.owner is not self._token
-                raise ABIError([Issue(
-                    "alloc.stale_plan", "plan",
-                    "the plan was made by another allocator" if foreign else
-                    "the allocator changed between plan and commit (another step was committed or a request "
-                    "released)",
-                    expected=f"a plan of this allocator's generation {self._generation}",
-                    actual="another allocator's plan" if foreign else f"a plan of generation {plan.generation}")])
+            self._check_current(plan)
             self._commit(plan)
             self._generation += 1
+
+    def _check_current(self, plan: StepPlan) -> None:
+        """Raise ``alloc.stale_plan`` unless ``plan`` was made by this allocator on its current state."""
+        if plan.owner is not self._token or plan.generation != self._generation:
+            foreign = plan.owner is not self._token
+            raise ABIError([Issue(
+                "alloc.stale_plan", "plan",
+                "the plan was made by another allocator" if foreign else
+                "the allocator changed between plan and commit (another step was committed or a request "
+                "released)",
+                expected=f"a plan of this allocator's generation {self._generation}",
+                actual="another allocator's plan" if foreign else f"a plan of generation {plan.generation}")])
 
     def _commit(self, plan: StepPlan) -> None:
         for r in plan.new_ids:
@@ -255,6 +295,16 @@ class BlockAllocator:
             floor[:old] = self._state_floor[p]
             self._state_floor[p] = floor
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
+
+
+def _positions(rows: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index in ``rows`` of each ``wanted`` allocator row found there, mask of the wanted rows found)."""
+    if rows.size == 0 or wanted.size == 0:
+        return np.empty(0, np.int64), np.zeros(wanted.size, dtype=bool)
+    order = np.argsort(rows, kind="stable")
+    at = order[np.minimum(np.searchsorted(rows, wanted, sorter=order), rows.size - 1)]
+    found = rows[at] == wanted
+    return at[found], found
 
 
 def _unknown(request_id: object, *, index: int | None = None, count: int = 1) -> Issue:

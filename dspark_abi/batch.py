@@ -1,4 +1,4 @@
-"""Frozen value objects of the metadata ABI: `RequestTables`, `SlotMappings`, `PoolBlocks`, `PackedBatch`.
+"""Frozen value objects of the metadata ABI: `RequestTables`, `SlotMappings`, `RankView`, `PackedBatch`.
 
 Symbols (defined once, used everywhere): R requests; N live tokens = ``query_start_loc[-1]``;
 TP ranks; P = align_up(N, TP) group rows; L = P / TP rank-local rows. Rows ``N..P-1`` are padding.
@@ -20,23 +20,15 @@ import numpy as np
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import MAX_POOL_BLOCKS, PAGE_SIZES, POOL_NAMES, PoolName
+from dspark_abi.layout import POOL_NAMES, PoolName
+from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
+from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.ranks import merge_rank_arrays
+from dspark_abi.validation import subclass_issue, validate_arrays
 
 #: Set only by :meth:`PackedBatch.from_arrays` right after it validated the very arrays being frozen.
 _ALREADY_VALIDATED: ContextVar[bool] = ContextVar("dspark_already_validated", default=False)
-
-TABLE_FIELDS: dict[PoolName, str] = {p: f"{p}_block_table" for p in POOL_NAMES}
-SLOT_FIELDS: dict[PoolName, str] = {p: f"{p}_slot_mapping" for p in POOL_NAMES}
-
-
-def subclass_issue(name: str, value: np.ndarray) -> Issue:
-    """The issue of an ndarray subclass given for an ABI array (its mask or matrix semantics would be lost)."""
-    return Issue("array.dtype", name, "must be a plain numpy.ndarray, not an ndarray subclass: a masked array's "
-                 "mask would be ignored, a matrix indexes differently", expected="numpy.ndarray",
-                 actual=type(value).__name__,
-                 fix="pass a plain numpy.ndarray: fill masked entries explicitly (e.g. -1 slots) and convert with "
-                     "np.asarray(x.filled(...)) or np.asarray(matrix)")
 
 
 def _immutable(a: np.ndarray) -> bool:
@@ -69,11 +61,15 @@ def freeze(value: Any, name: str = "array") -> np.ndarray:
     return np.frombuffer(a.tobytes(order="C"), dtype=a.dtype).reshape(a.shape)
 
 
-def _afield(doc: str, name: str, optional: bool = False) -> Any:
+def _afield(name: str, optional: bool = False) -> Any:
+    """An attrs field holding the ABI array ``name``: frozen on assignment (see :func:`freeze`), compared by value.
+
+    (A helper, so mypy's attrs plugin takes these fields for defaulted ones, see PackedBatch.tables.)
+    """
     def convert(value: Any) -> Any:
         return None if value is None else freeze(value, name)
 
-    kw: dict[str, Any] = {"converter": convert, "eq": attrs.cmp_using(eq=array_eq), "metadata": {"doc": doc}}
+    kw: dict[str, Any] = {"converter": convert, "eq": attrs.cmp_using(eq=array_eq)}
     if optional:
         kw["default"] = None
     return attrs.field(**kw)
@@ -85,24 +81,28 @@ class RequestTables:
 
     Entry ``[r, i]`` is the physical block of logical page ``i`` of request ``r``; ``-1`` = unmapped.
     Widths come from ``ModelConfig.layout`` (FLASH: 512, 128, 4, 128, 8192, 8192, 2048).
+
+    Attributes:
+        ori: [R, ceil(max_pos/32)] int32: page pos//32 -> kv block; -1 unmapped.
+        csa_cmp: [R, ceil(max_pos/4/32)] int32: ratio-4 entry page c//32 -> block; -1 unmapped.
+        hca_cmp: [R, ceil(max_pos/128/32)] int32: ratio-128 entry page c//32 -> block.
+        idx: [R, ceil(max_pos/4/32)] int32: indexer entry page c//32 -> idx cache block.
+        csa_state: [R, ceil(max_pos/2)] int32: state page pos//2 -> ratio-4 state block.
+        csa_inner_state: [R, ceil(max_pos/2)] int32: pos//2 -> indexer state block.
+        hca_state: [R, ceil(max_pos/8)] int32: pos//8 -> ratio-128 state block.
     """
 
-    ori: np.ndarray = _afield("[R, ceil(max_pos/32)] int32: page pos//32 -> kv block; -1 unmapped", TABLE_FIELDS["ori"])
-    csa_cmp: np.ndarray = _afield(
-        "[R, ceil(max_pos/4/32)] int32: ratio-4 entry page c//32 -> block; -1 unmapped", TABLE_FIELDS["csa_cmp"])
-    hca_cmp: np.ndarray = _afield(
-        "[R, ceil(max_pos/128/32)] int32: ratio-128 entry page c//32 -> block", TABLE_FIELDS["hca_cmp"])
-    idx: np.ndarray = _afield(
-        "[R, ceil(max_pos/4/32)] int32: indexer entry page c//32 -> idx cache block", TABLE_FIELDS["idx"])
-    csa_state: np.ndarray = _afield(
-        "[R, ceil(max_pos/2)] int32: state page pos//2 -> ratio-4 state block", TABLE_FIELDS["csa_state"])
-    csa_inner_state: np.ndarray = _afield(
-        "[R, ceil(max_pos/2)] int32: pos//2 -> indexer state block", TABLE_FIELDS["csa_inner_state"])
-    hca_state: np.ndarray = _afield(
-        "[R, ceil(max_pos/8)] int32: pos//8 -> ratio-128 state block", TABLE_FIELDS["hca_state"])
+    ori: np.ndarray = _afield(TABLE_FIELDS["ori"])
+    csa_cmp: np.ndarray = _afield(TABLE_FIELDS["csa_cmp"])
+    hca_cmp: np.ndarray = _afield(TABLE_FIELDS["hca_cmp"])
+    idx: np.ndarray = _afield(TABLE_FIELDS["idx"])
+    csa_state: np.ndarray = _afield(TABLE_FIELDS["csa_state"])
+    csa_inner_state: np.ndarray = _afield(TABLE_FIELDS["csa_inner_state"])
+    hca_state: np.ndarray = _afield(TABLE_FIELDS["hca_state"])
 
     def __getitem__(self, pool: str) -> np.ndarray:
-        return getattr(self, pool)  # type: ignore[no-any-return]
+        table: np.ndarray = getattr(self, pool)
+        return table
 
     def items(self) -> list[tuple[PoolName, np.ndarray]]:
         return [(p, getattr(self, p)) for p in POOL_NAMES]
@@ -114,139 +114,133 @@ class SlotMappings:
 
     ori and the three state mappings are set on every live token; csa_cmp, idx and hca_cmp only on
     ratio boundaries ((p+1) % ratio == 0). Padding rows are -1 everywhere.
+
+    Attributes:
+        ori: [P] int64: kv_cache row of position p; -1 on padding.
+        csa_cmp: [P] int64: csa_cmp row of entry (p+1)/4-1 on boundaries, else -1.
+        hca_cmp: [P] int64: hca_cmp row of entry (p+1)/128-1 on boundaries, else -1.
+        idx: [P] int64: idx cache/scale row of entry (p+1)/4-1 on boundaries, else -1.
+        csa_state: [P] int64: csa_compress_state row of p (page 2); -1 on padding.
+        csa_inner_state: [P] int64: csa_inner_compress_state row of p (page 2).
+        hca_state: [P] int64: hca_compress_state row of p (page 8); -1 on padding.
     """
 
-    ori: np.ndarray = _afield("[P] int64: kv_cache row of position p; -1 on padding", SLOT_FIELDS["ori"])
-    csa_cmp: np.ndarray = _afield(
-        "[P] int64: csa_cmp row of entry (p+1)/4-1 on boundaries, else -1", SLOT_FIELDS["csa_cmp"])
-    hca_cmp: np.ndarray = _afield(
-        "[P] int64: hca_cmp row of entry (p+1)/128-1 on boundaries, else -1", SLOT_FIELDS["hca_cmp"])
-    idx: np.ndarray = _afield(
-        "[P] int64: idx cache/scale row of entry (p+1)/4-1 on boundaries, else -1", SLOT_FIELDS["idx"])
-    csa_state: np.ndarray = _afield(
-        "[P] int64: csa_compress_state row of p (page 2); -1 on padding", SLOT_FIELDS["csa_state"])
-    csa_inner_state: np.ndarray = _afield(
-        "[P] int64: csa_inner_compress_state row of p (page 2)", SLOT_FIELDS["csa_inner_state"])
-    hca_state: np.ndarray = _afield(
-        "[P] int64: hca_compress_state row of p (page 8); -1 on padding", SLOT_FIELDS["hca_state"])
+    ori: np.ndarray = _afield(SLOT_FIELDS["ori"])
+    csa_cmp: np.ndarray = _afield(SLOT_FIELDS["csa_cmp"])
+    hca_cmp: np.ndarray = _afield(SLOT_FIELDS["hca_cmp"])
+    idx: np.ndarray = _afield(SLOT_FIELDS["idx"])
+    csa_state: np.ndarray = _afield(SLOT_FIELDS["csa_state"])
+    csa_inner_state: np.ndarray = _afield(SLOT_FIELDS["csa_inner_state"])
+    hca_state: np.ndarray = _afield(SLOT_FIELDS["hca_state"])
 
     def __getitem__(self, pool: str) -> np.ndarray:
-        return getattr(self, pool)  # type: ignore[no-any-return]
+        slots: np.ndarray = getattr(self, pool)
+        return slots
 
     def items(self) -> list[tuple[PoolName, np.ndarray]]:
         return [(p, getattr(self, p)) for p in POOL_NAMES]
 
 
-def _block_count(value: Any) -> Any:
-    """numpy integers become Python ints; anything else is left for the check to report."""
-    return int(value) if isinstance(value, np.integer) else value
+def _pool_blocks(value: Mapping[str, int] | PoolBlocks) -> PoolBlocks:
+    return PoolBlocks.from_mapping(value)
 
 
-def block_count_issue(pool: str, value: Any) -> Issue | None:
-    """Why ``value`` is not a legal block count of ``pool`` (None when it is): an int in [1, MAX_POOL_BLOCKS]."""
-    limit = MAX_POOL_BLOCKS[pool]  # type: ignore[index]
-    if not isinstance(value, bool) and isinstance(value, int | np.integer) and 1 <= value <= limit:
-        return None
-    if isinstance(value, int) and value.bit_length() > 64:  # a 400-digit count: name it, do not print it
-        value = f"{str(value)[:20]}... ({len(str(value))} digits)"
-    return Issue("pools.blocks", f"pool_blocks.{pool}",
-                 f"block count of pool {pool!r} must be an integer in [1, {limit}] (page size "
-                 f"{PAGE_SIZES[pool]}: every slot must fit int32)",  # type: ignore[index]
-                 expected=f"1..{limit}", actual=value,
-                 fix=f"give pool {pool!r} an integer count of blocks between 1 and {limit} (a Python or numpy "
-                     "integer, not bool or float)")
+class BatchGeometry:
+    """R, N, P and L of a packed batch, read from its ``query_start_loc``, ``positions`` and ``tp_size``.
 
-
-@attrs.frozen
-class PoolBlocks:
-    """Physical block count of each pool (the bound for table entries and slots).
-
-    Every count is a Python int in ``[1, MAX_POOL_BLOCKS[pool]]`` (``(2**31 - 1) // page_size``, so that block
-    ids and slots fit int32): construction raises ``pools.blocks`` otherwise, so no bad instance exists.
+    Shared by :class:`PackedBatch` and the views that show a batch's rows (e.g. the CLI's layout of a
+    fixture file, valid or not).
     """
 
-    ori: int = attrs.field(converter=_block_count)
-    csa_cmp: int = attrs.field(converter=_block_count)
-    hca_cmp: int = attrs.field(converter=_block_count)
-    idx: int = attrs.field(converter=_block_count)
-    csa_state: int = attrs.field(converter=_block_count)
-    csa_inner_state: int = attrs.field(converter=_block_count)
-    hca_state: int = attrs.field(converter=_block_count)
+    __slots__ = ()
+    query_start_loc: np.ndarray
+    positions: np.ndarray
 
-    def __attrs_post_init__(self) -> None:
-        issues = [i for p in POOL_NAMES if (i := block_count_issue(p, getattr(self, p))) is not None]
-        if issues:
-            raise ABIError(issues)
+    @property
+    def tp_size(self) -> int:
+        """TP."""
+        raise NotImplementedError
 
-    @classmethod
-    def from_mapping(cls, blocks: Mapping[str, int] | PoolBlocks) -> PoolBlocks:
-        """Checked conversion of a mapping pool -> block count; raises ``pools.blocks`` naming every problem."""
-        if isinstance(blocks, PoolBlocks):
-            return blocks
-        if not isinstance(blocks, Mapping):
-            raise ABIError([Issue("pools.blocks", "pool_blocks", "must be a mapping pool name -> block count",
-                                  expected="PoolBlocks or a mapping of the seven pools", actual=type(blocks).__name__,
-                                  fix="pass PoolBlocks(...), PoolBlocks.uniform(n) or a dict with the seven pools")])
-        missing = [p for p in POOL_NAMES if p not in blocks]
-        extra = [k for k in blocks if k not in POOL_NAMES]
-        issues = []
-        if missing or extra:
-            issues.append(Issue("pools.blocks", "pool_blocks", "pool_blocks must name exactly the seven pools",
-                                expected=list(POOL_NAMES), actual={"missing": missing, "extra": extra}))
-        issues += [i for p in POOL_NAMES if p in blocks and (i := block_count_issue(p, blocks[p])) is not None]
-        if issues:
-            raise ABIError(issues)
-        return cls(**{p: blocks[p] for p in POOL_NAMES})
+    @property
+    def num_requests(self) -> int:
+        """R."""
+        return len(self.query_start_loc) - 1
 
-    @classmethod
-    def uniform(cls, blocks: int) -> PoolBlocks:
-        return cls(**dict.fromkeys(POOL_NAMES, blocks))
+    @property
+    def num_tokens(self) -> int:
+        """N, live tokens."""
+        return int(self.query_start_loc[-1])
 
-    def __getitem__(self, pool: str) -> int:
-        return getattr(self, pool)  # type: ignore[no-any-return]
+    @property
+    def padded_rows(self) -> int:
+        """P = align_up(N, TP), the group rows (one per entry of ``positions``)."""
+        return len(self.positions)
 
-    def as_dict(self) -> dict[str, int]:
-        return {p: getattr(self, p) for p in POOL_NAMES}
+    @property
+    def local_rows(self) -> int:
+        """L = P / TP."""
+        return self.padded_rows // self.tp_size
+
+    @property
+    def row_request(self) -> np.ndarray:
+        """[P] int32: request owning each group row; -1 on padding rows."""
+        return lower_local_request_ids(self.query_start_loc, 0, self.padded_rows)
 
 
 @attrs.frozen
 class RankView:
-    """One rank's share of a packed batch: group rows ``[row_start, row_stop)`` (L of them)."""
+    """One rank's share of a packed batch: group rows ``[row_start, row_stop)`` (L of them).
+
+    Attributes:
+        rank: The rank r, in ``[0, TP)``.
+        row_start: First group row of the rank, ``r * L``.
+        row_stop: One past its last group row, ``(r + 1) * L``.
+        positions: [L] int32: the rank's slice of ``positions`` (position_ids_local).
+        local_request_ids: [L] int32: request owning each local row; -1 on padding rows.
+        token_ids: [L] int64 or None: the rank's slice of token ids (input_ids).
+        slots: The rank's [L] slices of the seven slot mappings (for inspection; kernels write with the full ones).
+    """
 
     rank: int
     row_start: int
     row_stop: int
     positions: np.ndarray
-    """[L] int32: the rank's slice of ``positions`` (position_ids_local)."""
     local_request_ids: np.ndarray
-    """[L] int32: request owning each local row; -1 on padding rows."""
     token_ids: np.ndarray | None
-    """[L] int64 or None: the rank's slice of token ids (input_ids)."""
     slots: SlotMappings
-    """The rank's [L] slices of the seven slot mappings (for inspection; kernels write with the full ones)."""
 
 
 @attrs.frozen(eq=True)
-class PackedBatch:
+class PackedBatch(BatchGeometry):
     """The whole metadata of one packed prefill call of one TP group. Constructing one validates it.
 
     Build with :class:`dspark_abi.BatchBuilder` (serving code) or directly from arrays; any violation
     raises :class:`ABIError` listing every issue. Read-only; change with ``attrs.evolve`` (re-validates).
+
+    Attributes:
+        config: The model configuration (table widths, limits).
+        policy: The TP padding policy (P, L and the padding sentinels).
+        pool_blocks: Physical blocks of each pool (a mapping is converted with :meth:`PoolBlocks.from_mapping`).
+        query_start_loc: [R+1] int32: [0, q0, q0+q1, ..., N], non-decreasing.
+        positions: [P] int32: absolute in-request position; padding rows per policy.
+        tables: The seven [R, width] int32 block tables.
+        slots: The seven [P] int64 slot mappings.
+        request_ids: [R] int64: serving request ids, unique; default 0..R-1.
+        token_ids: [P] int64: token ids (MoE hash routing); padding = pad_token_id.
+        logit_rows: [M] int32: group rows in [0, N) to sample; -1 = inactive.
     """
 
     config: ModelConfig
     policy: PaddingPolicy
-    pool_blocks: PoolBlocks = attrs.field(converter=PoolBlocks.from_mapping)
-    query_start_loc: np.ndarray = _afield("[R+1] int32: [0, q0, q0+q1, ..., N], non-decreasing", "query_start_loc")
-    positions: np.ndarray = _afield("[P] int32: absolute in-request position; padding rows per policy", "positions")
-    tables: RequestTables = attrs.field()
-    slots: SlotMappings = attrs.field()
-    request_ids: np.ndarray | None = _afield(
-        "[R] int64: serving request ids, unique; default 0..R-1", "request_ids", True)
-    token_ids: np.ndarray | None = _afield(
-        "[P] int64: token ids (MoE hash routing); padding = pad_token_id", "token_ids", True)
-    logit_rows: np.ndarray | None = _afield(
-        "[M] int32: group rows in [0, N) to sample; -1 = inactive", "logit_rows", True)
+    pool_blocks: PoolBlocks = attrs.field(converter=_pool_blocks)
+    query_start_loc: np.ndarray = _afield("query_start_loc")
+    positions: np.ndarray = _afield("positions")
+    # mypy's attrs plugin cannot see through _afield and takes the array fields above for defaulted ones
+    tables: RequestTables = attrs.field()  # type: ignore[misc]
+    slots: SlotMappings = attrs.field()  # type: ignore[misc]
+    request_ids: np.ndarray | None = _afield("request_ids", True)
+    token_ids: np.ndarray | None = _afield("token_ids", True)
+    logit_rows: np.ndarray | None = _afield("logit_rows", True)
 
     def __attrs_post_init__(self) -> None:
         if self.request_ids is None:
@@ -254,8 +248,6 @@ class PackedBatch:
             object.__setattr__(self, "request_ids", freeze(ids))
         if _ALREADY_VALIDATED.get():
             return
-        from dspark_abi.validate import validate_arrays
-
         validate_arrays(self.to_arrays(), self.config, self.policy, self.pool_blocks).raise_if_invalid()
 
     # ------------------------------------------------------------------ construction
@@ -265,8 +257,6 @@ class PackedBatch:
         """Build from flat ABI field names (``query_start_loc``, ``positions``, ``<pool>_block_table``,
         ``<pool>_slot_mapping``, optional ``request_ids``, ``token_ids``, ``logit_rows``). Validates first,
         so a malformed mapping raises :class:`ABIError` with every issue and nothing is built."""
-        from dspark_abi.validate import validate_arrays
-
         validate_arrays(arrays, config, policy, pool_blocks).raise_if_invalid()
         token = _ALREADY_VALIDATED.set(True)  # the arrays were just checked; freezing copies them unchanged
         try:
@@ -292,31 +282,11 @@ class PackedBatch:
                 out[name] = value
         return out
 
-    # ------------------------------------------------------------------ geometry
-    @property
-    def num_requests(self) -> int:
-        """R."""
-        return len(self.query_start_loc) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        """N, live tokens."""
-        return int(self.query_start_loc[-1])
-
+    # ------------------------------------------------------------------ geometry (R, N, P, L: BatchGeometry)
     @property
     def tp_size(self) -> int:
         """TP."""
         return self.policy.tp_size
-
-    @property
-    def padded_rows(self) -> int:
-        """P = align_up(N, TP)."""
-        return self.policy.padded_rows(self.num_tokens)
-
-    @property
-    def local_rows(self) -> int:
-        """L = P / TP."""
-        return self.padded_rows // self.tp_size
 
     @property
     def request_lengths(self) -> np.ndarray:
@@ -325,10 +295,8 @@ class PackedBatch:
 
     @cached_property
     def row_request(self) -> np.ndarray:
-        """[P] int32: request owning each group row; -1 on padding rows."""
-        from dspark_abi.lowering import lower_local_request_ids
-
-        return freeze(lower_local_request_ids(self.query_start_loc, 0, self.padded_rows))
+        """[P] int32: request owning each group row; -1 on padding rows (computed once, read-only)."""
+        return freeze(super().row_request)
 
     @cached_property
     def request_starts(self) -> np.ndarray:
@@ -344,12 +312,10 @@ class PackedBatch:
         if not 0 <= r < self.tp_size:
             raise ABIError([Issue("rank.index", "rank", f"rank {r} does not exist in a TP-{self.tp_size} group",
                                   expected=f"0 <= rank < {self.tp_size}", actual=r)])
-        from dspark_abi.lowering import lower_local_request_ids
-
         lo, hi = r * self.local_rows, (r + 1) * self.local_rows
         return RankView(
             rank=r, row_start=lo, row_stop=hi, positions=self.positions[lo:hi],
-            local_request_ids=lower_local_request_ids(self.query_start_loc, lo, self.local_rows),
+            local_request_ids=self.row_request[lo:hi],   # the batch's one ownership array, sliced
             token_ids=None if self.token_ids is None else self.token_ids[lo:hi],
             slots=SlotMappings(**{p: a[lo:hi] for p, a in self.slots.items()}),
         )
@@ -363,8 +329,6 @@ class PackedBatch:
         ``request_ids``, ``logit_rows``) must be identical on every rank; local fields (``positions_local``
         [TP, L], ``token_ids_local`` [TP, L]) must equal each rank's slice of the full ones.
         """
-        from dspark_abi.ranks import merge_rank_arrays
-
         return cls.from_arrays(merge_rank_arrays(per_rank, policy), config, policy, pool_blocks)
 
     def with_logit_rows(self, rows: Any) -> PackedBatch:

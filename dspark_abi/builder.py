@@ -22,20 +22,27 @@ import attrs
 import numpy as np
 
 from dspark_abi.allocator import BlockAllocator, StepPlan
-from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PackedBatch
+from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES
+from dspark_abi.layout import POOL_NAMES, physical_rows, written_logical
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.validate import EMPTY_BATCH_FIX
+from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
+from dspark_abi.validation import EMPTY_BATCH_FIX
 
 
 @attrs.frozen
 class RequestSpec:
-    """One request of a step: ``num_new`` tokens after ``num_cached`` already in the caches.
+    """One checked request of a step: ``num_new`` tokens after ``num_cached`` already in the caches.
 
     :meth:`BatchBuilder.add` queues the arguments as given; :meth:`BatchBuilder.build` checks them and
-    works on exact copies (Python ints, an int64 token-id array) only.
+    works on these exact copies (Python ints, an int64 token-id array) only.
+
+    Attributes:
+        request_id: The serving request id (within int64).
+        num_cached: Tokens of the request already in the caches (its first new position).
+        num_new: New tokens of the request in this step (>= 0).
+        token_ids: [num_new] int64 token ids, or None when the step gives none.
     """
 
     request_id: int
@@ -112,7 +119,7 @@ class BatchBuilder:
             raise ABIError([Issue("config.mismatch", "allocator", "allocator was built for another config",
                                   expected=config.name, actual=allocator.config.name)])
         self.config, self.policy, self.allocator = config, policy, allocator
-        self._pending: list[RequestSpec] = []
+        self._pending: list[tuple[Any, Any, Any, Any]] = []  # add()'s arguments as given, checked by build()
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
             ) -> None:
@@ -126,7 +133,7 @@ class BatchBuilder:
             token_ids = token_ids.copy()           # keeps a subclass, so build() can refuse it
         elif isinstance(token_ids, list):
             token_ids = list(token_ids)
-        self._pending.append(RequestSpec(request_id, num_cached, num_new, token_ids))  # type: ignore[arg-type]
+        self._pending.append((request_id, num_cached, num_new, token_ids))
 
     def clear(self) -> None:
         """Drop the queued requests."""
@@ -150,30 +157,32 @@ class BatchBuilder:
         return batch
 
     # ------------------------------------------------------------------ internals
-    def _check_specs(self, queued: list[RequestSpec], logit_rows: Any
+    def _check_specs(self, queued: list[tuple[Any, Any, Any, Any]], logit_rows: Any
                      ) -> tuple[list[RequestSpec], str | np.ndarray | None]:
         """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once."""
         issues: list[Issue] = []
         seen: set[int] = set()
         max_pos = self.config.max_position_embeddings
         specs: list[RequestSpec] = []
+        news: list[int | None] = []  # one per queued request (None: not an exact count)
 
         def bad(i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
             issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected,
                                 actual=actual, fix=fix))
 
-        for i, s in enumerate(queued):  # per-request checks: the builder's input is a list of requests
-            rid = _exact_int(s.request_id, *_INT64)
+        for i, (request_id, num_cached, num_new, token_ids) in enumerate(queued):  # the input is a list of requests
+            rid = _exact_int(request_id, *_INT64)
             if rid is None:
-                bad(i, "request_id", f"request_id must be an integer within int64, got {_short(s.request_id)}",
-                    "int64 integer", _short(s.request_id), _ID_FIX)
+                bad(i, "request_id", f"request_id must be an integer within int64, got {_short(request_id)}",
+                    "int64 integer", _short(request_id), _ID_FIX)
             elif rid in seen:
                 bad(i, "request_id", f"request_id {rid} is already in this step", "unique id", rid,
                     f"add request {rid} once per step (queue its later tokens as the next step's chunk)")
             else:
                 seen.add(rid)
-            cached, new = _exact_int(s.num_cached, *_COUNT), _exact_int(s.num_new, *_COUNT)
-            for arg, value, exact in (("num_cached", s.num_cached, cached), ("num_new", s.num_new, new)):
+            cached, new = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
+            news.append(new)
+            for arg, value, exact in (("num_cached", num_cached, cached), ("num_new", num_new, new)):
                 if exact is None:
                     bad(i, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0", _short(value))
             if cached is not None and new is not None:
@@ -193,24 +202,23 @@ class BatchBuilder:
                         f"pass num_cached={have} (the tokens its earlier chunks cached) or release request {rid} "
                         "first")
             tids = None
-            if s.token_ids is not None:
-                tids, problem = _int_vector(s.token_ids, *_INT64)
+            if token_ids is not None:
+                tids, problem = _int_vector(token_ids, *_INT64)
                 if tids is None:
                     bad(i, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
                         "1-D integer sequence", problem, _IDS_FIX)
                 elif new is not None and tids.shape != (new,):
                     bad(i, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
                         f"num_new={new}", (new,), tids.shape, f"pass exactly num_new={new} token_ids")
-            exact = tids is None and s.token_ids is None and type(s.request_id) is type(s.num_cached) is \
-                type(s.num_new) is int
-            specs.append(s if exact else RequestSpec(rid, cached, new, tids))  # type: ignore[arg-type]
-        if all(s.num_new is not None for s in specs):
-            total = sum(s.num_new for s in specs)
-            if not specs or not 1 <= total <= self.policy.token_cap:
+            if rid is not None and cached is not None and new is not None:  # else an issue was recorded
+                specs.append(RequestSpec(rid, cached, new, tids))
+        if all(v is not None for v in news):
+            total = sum(v for v in news if v is not None)
+            if not news or not 1 <= total <= self.policy.token_cap:
                 issues.append(Issue("qsl.token_count", "requests", "a batch needs 1..token_cap new tokens",
                                     expected=f"1..{self.policy.token_cap}", actual=total,
                                     fix=EMPTY_BATCH_FIX if total < 1 else None))
-        with_ids = {s.token_ids is None for s in queued}
+        with_ids = {token_ids is None for *_, token_ids in queued}
         if len(with_ids) > 1:
             issues.append(Issue("builder.request", "token_ids", "give token ids for every request or none",
                                 expected="all or none", actual="some",
@@ -234,44 +242,26 @@ class BatchBuilder:
         np.cumsum(lengths, out=qsl[1:])
         n = int(qsl[-1])
         p_rows = policy.padded_rows(n)
-        row_req = np.repeat(np.arange(len(specs)), lengths)                            # [N]
-        pos = starts[row_req] + (np.arange(n) - qsl[:-1][row_req])                     # [N]
+        row_request = np.repeat(np.arange(len(specs)), lengths)                        # [N]
+        pos = starts[row_request] + (np.arange(n) - qsl[:-1][row_request])             # [N]
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos
         positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
 
-        tables = {}
-        for p in POOL_NAMES:  # the step's tables = current rows + this plan's new mappings - releases
-            t = self.allocator._tables[p][plan.rows]
-            r_rows, r_pages, _ = plan.release_cells[p]
-            m_rows, m_pages, m_blocks = plan.map_cells[p]
-            if r_rows.size:
-                t[_index(plan.rows, r_rows), r_pages] = -1
-            if m_rows.size:
-                t[_index(plan.rows, m_rows), m_pages] = m_blocks
-            tables[p] = t
-
+        tables = self.allocator.table_rows(plan.request_ids, plan)  # as they will be once the plan is committed
         slots = {}
         for p in POOL_NAMES:
             pl = layout.pools[p]
             s = np.full(p_rows, -1, dtype=np.int64)
-            if pl.ratio:
-                write = (pos + 1) % pl.ratio == 0
-                logical = (pos + 1) // pl.ratio - 1
-            else:
-                write = np.ones(n, dtype=bool)
-                logical = pos
-            w = np.flatnonzero(write)
-            blk = tables[p][row_req[w], logical[w] // pl.page_size].astype(np.int64)
-            s[w] = blk * pl.page_size + logical[w] % pl.page_size
+            s[:n] = physical_rows(tables[p], row_request, written_logical(pl, pos), pl.page_size)
             slots[p] = s
 
         token_ids = None
         if specs and specs[0].token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = np.concatenate([s.token_ids for s in specs if s.token_ids is not None])
-        last = isinstance(logit_rows, str)  # "last": anything else was refused by _check_specs
-        rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32) if last else logit_rows
+        # a str is "last" (anything else was refused by _check_specs)
+        rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32) if isinstance(logit_rows, str) else logit_rows
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": request_ids_of(specs)}
         arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
         arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
@@ -282,9 +272,3 @@ class BatchBuilder:
 def request_ids_of(specs: list[RequestSpec]) -> np.ndarray:
     """[R] int64 serving ids of checked requests."""
     return np.array([s.request_id for s in specs], dtype=np.int64)
-
-
-def _index(rows: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """Positions of ``wanted`` allocator rows within ``rows`` (each wanted row occurs in rows)."""
-    order = np.argsort(rows, kind="stable")
-    return order[np.searchsorted(rows, wanted, sorter=order)]

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from dspark_abi._base import StrictModel
 from dspark_abi.errors import ABIError, Issue
-
-if TYPE_CHECKING:
-    from dspark_abi.layout import CacheLayout
+from dspark_abi.layout import CacheLayout
 
 LayerKind = Literal["swa", "csa", "hca"]
 _KIND_BY_RATIO: dict[int, LayerKind] = {0: "swa", 4: "csa", 128: "hca"}
@@ -109,6 +107,9 @@ class ModelConfig(StrictModel):
     """Vocabulary size (token ids must be < this)."""
     moe: MoEConfig
     """MoE FFN keys."""
+    dspark_target_layers: tuple[int, ...] = Field(default=(), exclude_if=lambda layers: not layers)
+    """Layers whose output feeds the DSpark drafter (``dspark_target_layer_ids``; ``[40, 41, 42]`` for
+    DeepSeek-V4-Flash-DSpark); empty without a drafter. Omitted from dumps when empty."""
 
     @model_validator(mode="after")
     def _check_dims(self) -> ModelConfig:
@@ -128,6 +129,10 @@ class ModelConfig(StrictModel):
             problems.append(f"index_head_dim={self.index_head_dim} must be a power of two (Hadamard rotation)")
         if self.moe.num_experts_per_tok > self.moe.n_routed_experts:
             problems.append("moe.num_experts_per_tok must be <= moe.n_routed_experts")
+        targets, n_layers = self.dspark_target_layers, len(self.compress_ratios)
+        if targets and (list(targets) != sorted(set(targets)) or targets[0] < 0 or targets[-1] >= n_layers):
+            problems.append(f"dspark_target_layers={list(targets)} must be distinct ascending layer ids in "
+                            f"[0, {n_layers})")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -150,18 +155,18 @@ class ModelConfig(StrictModel):
     @property
     def softmax_scale(self) -> float:
         """``head_dim ** -0.5`` (no YaRN mscale)."""
-        return self.head_dim**-0.5
+        scale: float = self.head_dim**-0.5  # typeshed: int ** float may be complex, hence the annotation
+        return scale
 
     @property
     def index_weight_scale(self) -> float:
         """Lightning-indexer head-weight scale ``index_head_dim**-0.5 * index_n_heads**-0.5``."""
-        return self.index_head_dim**-0.5 * self.index_n_heads**-0.5
+        scale: float = self.index_head_dim**-0.5 * self.index_n_heads**-0.5
+        return scale
 
     @property
     def layout(self) -> CacheLayout:
         """The paged-cache layout this config implies (part of the ABI)."""
-        from dspark_abi.layout import CacheLayout
-
         return CacheLayout.from_config(self)
 
     # ------------------------------------------------------------------ loading
@@ -170,7 +175,9 @@ class ModelConfig(StrictModel):
         """Build from a DeepSeek-V4 ``config.json`` dictionary.
 
         ``compress_ratios`` may hold extra entries for multi-token-prediction layers; only the
-        first ``num_hidden_layers`` are kept. Raises :class:`ABIError` (code ``config.invalid``)
+        first ``num_hidden_layers`` are kept. ``dspark_target_layer_ids`` (DSpark checkpoints) fills
+        ``dspark_target_layers``; ``quantization_config`` and the ``dspark_*`` drafter keys are read by
+        ``dspark_kernels.model.checkpoint_format``. Raises :class:`ABIError` (code ``config.invalid``)
         naming every missing or bad key.
         """
         issues: list[Issue] = []
@@ -227,6 +234,7 @@ class ModelConfig(StrictModel):
                 "swiglu_limit": take("swiglu_limit", default=0.0),
                 "norm_topk_prob": take("norm_topk_prob", default=True),
             },
+            "dspark_target_layers": take("dspark_target_layer_ids", default=[]),
         }
         if issues:
             raise ABIError(issues)

@@ -8,7 +8,7 @@ three in agreement.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -87,7 +87,7 @@ CODES: dict[str, tuple[str, str]] = {
     # ---- fixture files
     "fixture.unreadable": ("the file is not a readable safetensors fixture (missing, truncated, bad or "
                            "oversized header)",
-                           "regenerate the file with dspark_abi.fixtures.save"),
+                           "regenerate the file with dspark_abi.io.fixtures.save"),
     "fixture.version": ("the fixture's format name or format_version is not one this library reads",
                         "upgrade dspark or convert the file to a supported format version"),
     "fixture.manifest": ("the JSON manifest in the header is invalid", "see the message for the offending key"),
@@ -114,7 +114,19 @@ CODES: dict[str, tuple[str, str]] = {
 
 @attrs.frozen
 class Issue:
-    """One violated rule: stable ``code``, where (``field``, ``index``, ``request``), what was wanted."""
+    """One violated rule: stable ``code``, where (``field``, ``index``, ``request``), what was wanted.
+
+    Attributes:
+        code: The stable code of the rule, a key of :data:`CODES`.
+        field: The ABI field (or argument) that breaks it.
+        message: What is wrong, in one sentence.
+        index: Index of the first offending element of ``field`` (None when the field as a whole is wrong).
+        request: Batch index of the request that element belongs to, when there is one.
+        expected: What the rule wanted there.
+        actual: What was found.
+        count: How many elements violate the rule (only the first, ``index``, is named).
+        fix: The fix for this very issue when it is more specific than the code's generic hint.
+    """
 
     code: str
     field: str
@@ -124,9 +136,7 @@ class Issue:
     expected: Any = None
     actual: Any = None
     count: int = 1
-    """How many elements violate the rule (only the first, ``index``, is named)."""
     fix: str | None = None
-    """The fix for this very issue when it is more specific than the code's generic hint."""
 
     def __attrs_post_init__(self) -> None:
         if self.code not in CODES:
@@ -181,7 +191,11 @@ class ABIError(ValueError):
 
 @attrs.frozen
 class ValidationReport:
-    """Every issue found by :func:`dspark_abi.validate`; ``ok`` when there are none."""
+    """Every issue found by :func:`dspark_abi.validate`; ``ok`` when there are none.
+
+    Attributes:
+        issues: Every issue, in the order the rules were checked.
+    """
 
     issues: tuple[Issue, ...] = ()
 
@@ -204,15 +218,3 @@ class ValidationReport:
         if self.ok:
             return "valid"
         return "\n".join(str(i) for i in self.issues)
-
-
-def first_violation(mask: np.ndarray) -> tuple[int, int] | None:
-    """(first index, count) of True entries in a 1-D mask, or None."""
-    hits = np.flatnonzero(mask)
-    if hits.size == 0:
-        return None
-    return int(hits[0]), int(hits.size)
-
-
-def codes_of(issues: Sequence[Issue]) -> set[str]:
-    return {i.code for i in issues}

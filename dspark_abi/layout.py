@@ -8,15 +8,13 @@ the physical row is ``block * page_size + i % page_size``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterator
+from typing import Literal, Protocol
 
 import attrs
 import numpy as np
 
 from dspark_abi._base import cdiv
-
-if TYPE_CHECKING:
-    from dspark_abi.config import ModelConfig
 
 PoolName = Literal["ori", "csa_cmp", "hca_cmp", "idx", "csa_state", "csa_inner_state", "hca_state"]
 
@@ -48,41 +46,59 @@ MAX_POOL_BLOCKS: dict[PoolName, int] = {p: MAX_POOL_ROWS // s for p, s in PAGE_S
 
 @attrs.frozen
 class PoolLayout:
-    """Geometry of one paged pool."""
+    """Geometry of one paged pool.
+
+    Attributes:
+        name: The pool's name (one of :data:`POOL_NAMES`).
+        page_size: Rows per physical block.
+        table_width: Columns of this pool's block table: logical pages covering every position < max positions.
+        ratio: 0 for per-token pools (logical index = position); 4 or 128 for compressed-entry pools.
+        is_state: True for the compressor state rings (only ``state_len`` positions must survive a call).
+        state_len: Positions before a chunk that the compressor reads back (state pools only, else 0).
+        row_shape: Shape of one physical row of the cache tensor(s) behind this pool.
+        row_dtype: Element dtype of the main cache tensor ('bfloat16', 'int8', 'float32').
+    """
 
     name: PoolName
     page_size: int
-    """Rows per physical block."""
     table_width: int
-    """Columns of this pool's block table: logical pages covering every position < max positions."""
     ratio: int
-    """0 for per-token pools (logical index = position); 4 or 128 for compressed-entry pools."""
     is_state: bool
-    """True for the compressor state rings (only ``state_len`` positions must survive a call)."""
     state_len: int
-    """Positions before a chunk that the compressor reads back (state pools only, else 0)."""
     row_shape: tuple[int, ...]
-    """Shape of one physical row of the cache tensor(s) behind this pool."""
     row_dtype: str
-    """Element dtype of the main cache tensor ('bfloat16', 'int8', 'float32')."""
 
-    def logical_index(self, position: int) -> int:
-        """Logical index written by the token at ``position`` (-1 when it writes nothing here)."""
-        if self.ratio == 0:
-            return position
-        return (position + 1) // self.ratio - 1 if (position + 1) % self.ratio == 0 else -1
+
+class LayoutSource(Protocol):
+    """The settings :meth:`CacheLayout.from_config` reads (a :class:`~dspark_abi.config.ModelConfig`)."""
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def sliding_window(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def index_head_dim(self) -> int: ...
 
 
 @attrs.frozen
 class CacheLayout:
-    """All seven pools of a config. ``pools[name]`` gives a :class:`PoolLayout`."""
+    """All seven pools of a config. ``pools[name]`` gives a :class:`PoolLayout`; iterating yields them in ABI order.
+
+    Attributes:
+        pools: Pool name -> :class:`PoolLayout`.
+        max_positions: ``max_position_embeddings`` of the config (the tables cover positions below it).
+        sliding_window: Window W of the ori pool: a token reads positions ``[p - W + 1, p]``.
+    """
 
     pools: dict[str, PoolLayout]
     max_positions: int
     sliding_window: int
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> CacheLayout:
+    def from_config(cls, config: LayoutSource) -> CacheLayout:
+        """The layout of a model config (``ModelConfig.layout`` calls this)."""
         mp = config.max_position_embeddings
         d, di = config.head_dim, config.index_head_dim
 
@@ -105,8 +121,8 @@ class CacheLayout:
         ]
         return cls({p.name: p for p in pools}, mp, config.sliding_window)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.pools[n] for n in POOL_NAMES)
+    def __iter__(self) -> Iterator[PoolLayout]:
+        return (self.pools[n] for n in POOL_NAMES)
 
     def read_range(self, pool: PoolName, start: int, end: int) -> tuple[int, int]:
         """Logical indices ``[lo, hi)`` a request with new positions ``[start, end)`` reads or writes.
@@ -118,7 +134,8 @@ class CacheLayout:
         """
         if end <= start:
             return (0, 0)
-        lo, hi = live_range(self.pools[pool], np.int64(start), np.int64(end), self.sliding_window)
+        lo, hi = live_range(self.pools[pool], np.asarray(start, np.int64), np.asarray(end, np.int64),
+                            self.sliding_window)
         return (int(lo), int(hi))
 
 
@@ -172,17 +189,19 @@ def physical_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, p
     return np.where(ok & (block >= 0), block * page_size + logical % page_size, -1)
 
 
-def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int
+def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int, *, keep_empty: bool = False
                   ) -> tuple[np.ndarray, np.ndarray]:
     """(request, page) of every logical page that requests with new positions ``[start, end)`` read or write.
 
     start, end: [R] int. Returns two flat int64 arrays, requests ascending and pages ascending within each
-    request; empty requests (start == end) touch nothing. Cost O(R + touched pages).
+    request; empty requests (start == end) touch nothing, unless ``keep_empty``: then they yield the pages of
+    their :func:`live_range` too (what :class:`~dspark_abi.allocator.BlockAllocator` maps for them).
+    Cost O(R + touched pages).
     """
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
     lo, hi = live_range(pl, start, end, window)
-    has = (end > start) & (hi > lo)
+    has = hi > lo if keep_empty else (end > start) & (hi > lo)
     first = np.where(has, lo // pl.page_size, 0)
     count = np.where(has, (hi - 1) // pl.page_size - first + 1, 0)
     request = np.repeat(np.arange(start.size, dtype=np.int64), count)

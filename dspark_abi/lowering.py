@@ -35,6 +35,26 @@ def lower_local_request_ids(query_start_loc: Any, local_base: int, local_tokens:
     return out
 
 
+def query_start_loc_issues(qsl: np.ndarray) -> list[Issue]:
+    """Issues of the offsets of a 1-D integer ``query_start_loc`` with R+1 >= 2 entries (empty list = fine).
+
+    The one check of the offsets themselves (used by :func:`dspark_abi.validate` and by the lowering):
+    ``qsl.start`` unless ``qsl[0] == 0``, ``qsl.non_monotonic`` at the first decrease. Differences are
+    taken in int64, so unsigned offsets cannot wrap.
+    """
+    issues = []
+    if qsl[0] != 0:
+        issues.append(Issue("qsl.start", "query_start_loc", "must start at 0", index=0, expected=0,
+                            actual=int(qsl[0])))
+    drops = np.flatnonzero(np.diff(qsl.astype(np.int64)) < 0)  # signed: an unsigned diff wraps
+    if drops.size:
+        i = int(drops[0]) + 1
+        issues.append(Issue("qsl.non_monotonic", "query_start_loc", "offsets must not decrease", index=i,
+                            request=i - 1, expected=f">= {int(qsl[i - 1])}", actual=int(qsl[i]),
+                            count=int(drops.size)))
+    return issues
+
+
 def _check(qsl: np.ndarray, base: int, count: int) -> None:
     issues = []
     if qsl.ndim != 1 or qsl.size < 2 or not np.issubdtype(qsl.dtype, np.integer):
@@ -44,15 +64,7 @@ def _check(qsl: np.ndarray, base: int, count: int) -> None:
         issues.append(Issue("qsl.shape", "query_start_loc", "entries must fit int64 (they are token offsets)",
                             expected="[R+1] int32", actual=f"{qsl.dtype} up to {int(qsl.max())}"))
     else:
-        if qsl[0] != 0:
-            issues.append(Issue("qsl.start", "query_start_loc", "must start at 0", index=0, expected=0,
-                                actual=int(qsl[0])))
-        drops = np.flatnonzero(np.diff(qsl.astype(np.int64)) < 0)  # signed: an unsigned diff wraps
-        if drops.size:
-            i = int(drops[0]) + 1
-            issues.append(Issue("qsl.non_monotonic", "query_start_loc", "offsets must not decrease", index=i,
-                                request=i - 1, expected=f">= {int(qsl[i - 1])}", actual=int(qsl[i]),
-                                count=int(drops.size)))
+        issues += query_start_loc_issues(qsl)
     if base < 0 or count < 0:
         issues.append(Issue("geometry.rows", "local_base/local_tokens", "must be non-negative",
                             expected=">= 0", actual=(base, count)))

@@ -39,7 +39,3 @@ class PaddingPolicy(StrictModel):
     def padded_rows(self, num_tokens: int) -> int:
         """P for N live tokens."""
         return align_up(num_tokens, self.tp_size)
-
-    def local_rows(self, num_tokens: int) -> int:
-        """L for N live tokens."""
-        return self.padded_rows(num_tokens) // self.tp_size

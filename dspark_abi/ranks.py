@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from dspark_abi.batch import subclass_issue
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.policy import PaddingPolicy
+from dspark_abi.validation import subclass_issue
 
 #: Fields a per-rank entry carries with all P (or R) rows, identical on every rank of the group.
 REPLICATED = ("query_start_loc", "positions_full", "request_ids", "logit_rows")
@@ -31,12 +31,12 @@ def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dic
     if issues:  # np.asarray would silently drop a mask
         raise ABIError(issues)
     if "positions" in per_rank and "positions_full" in per_rank:  # two names of one field: they must agree
-        alias, full = np.asarray(per_rank["positions"]), np.asarray(per_rank["positions_full"])
-        if alias.shape != full.shape:
-            issues.append(_positions_twice(None, f"shape {alias.shape}, positions_full {full.shape}", 1))
-        elif not np.array_equal(alias, full):
-            differ = np.flatnonzero((alias != full).reshape(-1))
-            row = int(differ[0]) % full.shape[-1] if full.ndim else None
+        alias, full_positions = np.asarray(per_rank["positions"]), np.asarray(per_rank["positions_full"])
+        if alias.shape != full_positions.shape:
+            issues.append(_positions_twice(None, f"shape {alias.shape}, positions_full {full_positions.shape}", 1))
+        elif not np.array_equal(alias, full_positions):
+            differ = np.flatnonzero((alias != full_positions).reshape(-1))
+            row = int(differ[0]) % full_positions.shape[-1] if full_positions.ndim else None
             issues.append(_positions_twice(row, f"{differ.size} entries differ", int(differ.size)))
     arrays = {("positions_full" if k == "positions" else k): np.asarray(v) for k, v in per_rank.items()}
     merged: dict[str, np.ndarray] = {}

@@ -1,21 +1,22 @@
 """The value-level ABI rules (positions, padding, slots vs tables, writes, coverage, isolation).
 
-Called by :func:`dspark_abi.validate.validate_arrays` once shapes and dtypes are known to be right.
+Called by :func:`dspark_abi.validation.validate_arrays` once shapes and dtypes are known to be right.
 Every rule is a vectorized mask over tokens or over the pages the call touches; each violated rule
 yields one :class:`Issue` naming the first offender and the number of offenders.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from dspark_abi.batch import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import Issue
-from dspark_abi.layout import POOL_NAMES, PoolLayout, live_range
+from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, physical_rows, touched_pages, written_logical
 from dspark_abi.policy import PaddingPolicy
+from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 
 
 def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message: str, *,
@@ -38,38 +39,38 @@ def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message:
 
 def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolicy, blocks: PoolBlocks,
                qsl: np.ndarray, n_tokens: int, n_rows: int, positions: np.ndarray,
-               tables: dict[str, np.ndarray], slots: dict[str, np.ndarray], token_ids: np.ndarray | None,
-               logit_rows: np.ndarray | None, hidden: np.ndarray | None) -> None:
+               tables: Mapping[PoolName, np.ndarray], slots: Mapping[PoolName, np.ndarray],
+               token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None) -> None:
+    """Append an issue for every value-level rule the batch breaks (shapes and dtypes are known to be right)."""
     n, max_pos = n_tokens, config.max_position_embeddings
     starts_row = qsl[:-1].astype(np.int64)
-    lengths = np.diff(qsl.astype(np.int64))
+    lengths: np.ndarray = np.diff(qsl.astype(np.int64))
     n_req = lengths.size
-    row_req = np.repeat(np.arange(n_req, dtype=np.int64), lengths)                 # [N]
+    row_request = np.repeat(np.arange(n_req, dtype=np.int64), lengths)             # [N]
     pos = positions[:n].astype(np.int64)                                           # [N]
     nonempty = lengths > 0
     start = np.zeros(n_req, dtype=np.int64)
     start[nonempty] = pos[starts_row[nonempty]]
     end = start + lengths
-    expected_pos = start[row_req] + (np.arange(n) - starts_row[row_req])
-    tok = np.arange(n)
+    expected_pos = start[row_request] + (np.arange(n) - starts_row[row_request])
 
     _flag(issues, "positions.negative", "positions", pos < 0, "live positions must be >= 0",
-          request_of=row_req, expected=">= 0", actual=pos)
+          request_of=row_request, expected=">= 0", actual=pos)
     _flag(issues, "positions.not_contiguous", "positions", pos != expected_pos,
-          "positions inside a request must be start, start+1, ...", request_of=row_req,
+          "positions inside a request must be start, start+1, ...", request_of=row_request,
           expected=expected_pos, actual=pos)
     _flag(issues, "positions.out_of_range", "positions", pos >= max_pos,
-          f"positions must be < max_position_embeddings={max_pos}", request_of=row_req,
+          f"positions must be < max_position_embeddings={max_pos}", request_of=row_request,
           expected=f"< {max_pos}", actual=pos)
     token_ok = (pos >= 0) & (pos < max_pos) & (pos == expected_pos)
-    request_ok = np.bincount(row_req[~token_ok], minlength=n_req) == 0
-    live = request_ok[row_req]                                                     # tokens fit for slot rules
+    request_ok = np.bincount(row_request[~token_ok], minlength=n_req) == 0
+    live = request_ok[row_request]                                                 # tokens fit for slot rules
 
     _check_padding(issues, policy, max_pos, n, n_rows, positions, slots, token_ids, hidden)
     if token_ids is not None:
         tid = token_ids[:n]
         _flag(issues, "token_ids.range", "token_ids", (tid < 0) | (tid >= config.vocab_size),
-              f"token ids must be in [0, {config.vocab_size})", request_of=row_req,
+              f"token ids must be in [0, {config.vocab_size})", request_of=row_request,
               expected=f"0..{config.vocab_size - 1}", actual=tid)
     if logit_rows is not None:
         _flag(issues, "logits.range", "logit_rows", (logit_rows != -1) & ((logit_rows < 0) | (logit_rows >= n)),
@@ -80,12 +81,12 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
     for pool in POOL_NAMES:
         pl = layout.pools[pool]
         owners = _check_pages(issues, pl, blocks[pool], tables[pool], start, end, ok_req, config.sliding_window)
-        _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n], pos, row_req, live, tok, owners)
+        _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n], pos, row_request, live, owners)
 
 
 def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: int, n_rows: int,
-                   positions: np.ndarray,
-                   slots: dict[str, np.ndarray], token_ids: np.ndarray | None, hidden: np.ndarray | None) -> None:
+                   positions: np.ndarray, slots: Mapping[PoolName, np.ndarray], token_ids: np.ndarray | None,
+                   hidden: np.ndarray | None) -> None:
     pad = np.arange(n, n_rows)
     if pad.size == 0:
         return
@@ -177,16 +178,10 @@ def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
                  end: np.ndarray, use: np.ndarray, window: int) -> _Owners:
     """Coverage, block range, in-request aliasing; return the (min, max) owner request of every used block.
 
-    Cost O(live pages) in time and memory (never O(pool blocks)).
+    Only the requests in ``use`` are checked. Cost O(live pages) in time and memory (never O(pool blocks)).
     """
     name = TABLE_FIELDS[pl.name]
-    lo, hi = live_range(pl, start, end, window)
-    has = use & (hi > lo)
-    page_lo = np.where(has, lo // pl.page_size, 0)
-    count = np.where(has, (hi - 1) // pl.page_size - page_lo + 1, 0)
-    req = np.repeat(np.arange(start.size), count)
-    first = np.cumsum(count) - count
-    page = page_lo[req] + (np.arange(req.size) - first[req])
+    req, page = touched_pages(pl, start, np.where(use, end, start), window)   # a request not in use: empty
     blk = table[req, page].astype(np.int64)
     _flag(issues, "coverage.unmapped", name, blk == -1,
           f"page read or written by this call is unmapped (logical {pl.name} indices [lo, hi) of the request)",
@@ -205,30 +200,23 @@ def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
 
 
 def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, slot: np.ndarray,
-                 pos: np.ndarray, row_req: np.ndarray, live: np.ndarray, tok: np.ndarray,
-                 owners: _Owners) -> None:
+                 pos: np.ndarray, row_request: np.ndarray, live: np.ndarray, owners: _Owners) -> None:
     name, ps = SLOT_FIELDS[pl.name], pl.page_size
     n_rows = n_blocks * ps
     out_of_range = (slot < -1) | (slot >= n_rows)
     _flag(issues, "slots.range", name, out_of_range, f"slots must be -1 or in [0, {n_rows})",
-          request_of=row_req, expected=f"-1..{n_rows - 1}", actual=slot)
+          request_of=row_request, expected=f"-1..{n_rows - 1}", actual=slot)
+    logical = written_logical(pl, pos)                             # -1: the token writes nothing here
     if pl.ratio:
-        boundary = (pos + 1) % pl.ratio == 0
-        _flag(issues, "slots.off_boundary", name, live & ~boundary & (slot != -1),
-              f"only tokens with (p+1) % {pl.ratio} == 0 write this pool", request_of=row_req, expected=-1,
+        _flag(issues, "slots.off_boundary", name, live & (logical < 0) & (slot != -1),
+              f"only tokens with (p+1) % {pl.ratio} == 0 write this pool", request_of=row_request, expected=-1,
               actual=slot)
-        writer = live & boundary
-        logical = (pos + 1) // pl.ratio - 1
-    else:
-        writer = live
-        logical = pos
-    w = np.flatnonzero(writer)
-    blk = table[row_req[w], logical[w] // ps].astype(np.int64)
-    ok_blk = (blk >= 0) & (blk < n_blocks)                         # unmapped / bad blocks already reported
-    expected = blk * ps + logical[w] % ps
+    w = np.flatnonzero(live & (logical >= 0))
+    expected = physical_rows(table, row_request[w], logical[w], ps)
+    ok_blk = (expected >= 0) & (expected < n_rows)                 # unmapped / bad blocks already reported
     _flag(issues, "slots.mismatch", name, ok_blk & (slot[w] != expected) & ~out_of_range[w],
           "slot must equal table[request, logical // page] * page_size + logical % page_size",
-          index_of=w, request_of=row_req[w], expected=expected, actual=slot[w])
+          index_of=w, request_of=row_request[w], expected=expected, actual=slot[w])
 
     written = np.flatnonzero((slot >= 0) & ~out_of_range)
     rows = slot[written]
@@ -238,9 +226,9 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
         dup = np.zeros(rows.size, dtype=bool)
         dup[order[1:]] = rows[order[1:]] == rows[order[:-1]]
         _flag(issues, "writes.duplicate", name, dup, "two live tokens write the same physical row",
-              index_of=written, request_of=row_req[written], expected="unique rows", actual=rows)
+              index_of=written, request_of=row_request[written], expected="unique rows", actual=rows)
 
-    wblk, writer_req = rows // ps, row_req[written]
+    wblk, writer_req = rows // ps, row_request[written]
     lo, hi = owners.lookup(wblk)
     foreign = (hi >= 0) & ((lo != writer_req) | (hi != writer_req))
     other = np.where(lo != writer_req, lo, hi)
@@ -248,4 +236,3 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
           "written block lies in a page another request uses in this call", index_of=written,
           request_of=writer_req, expected="block owned by the writer only",
           actual=np.char.add("also used by request ", other.astype(str)) if foreign.any() else None)
-

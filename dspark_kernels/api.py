@@ -8,22 +8,20 @@ written is restored, so caches and inputs are bit-for-bit as they were.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import attrs
 import numpy as np
 
-from dspark_abi import validate
-from dspark_abi.batch import PackedBatch
-from dspark_abi.errors import ABIError, Issue
-from dspark_kernels.forward import ForwardResult, run_forward
-from dspark_kernels.model_caches import ModelCaches
-from dspark_kernels.model_weights import ModelWeights
-from dspark_kernels.reference.caches import POOLS_BY_KIND
-from dspark_kernels.reference.numerics import PRECISIONS
+from dspark_abi import ABIError, Issue, PackedBatch
+from dspark_kernels.model.backends import BACKENDS, Backend, backend_issues, resolve_backend
+from dspark_kernels.model.caches import POOLS_BY_KIND, ModelCaches
+from dspark_kernels.model.forward import ForwardResult, run_forward
+from dspark_kernels.model.numerics import PRECISIONS
+from dspark_kernels.model.prepared import PreparedWeightsCache
+from dspark_kernels.model.weights import ModelWeights
+from dspark_kernels.pypto.index_guard import index_range_issues
 
-Backend = Literal["reference", "pypto"]
-BACKENDS: tuple[str, ...] = ("reference", "pypto")
+__all__ = ["BACKENDS", "Backend", "PrefillResult", "RequestOutput", "prefill"]
 
 
 @attrs.frozen(eq=False)
@@ -62,12 +60,12 @@ class PrefillResult:
     @property
     def requests(self) -> list[RequestOutput]:
         """Per-request views (hidden rows, positions, sampled token)."""
-        qsl, out = self.batch.query_start_loc, []
+        qsl, ids, out = self.batch.query_start_loc, self.batch.request_ids, []
         by_row = {int(r): int(s) for r, s in zip(self.logit_rows, self.sampled, strict=True) if r >= 0}
         for i in range(self.batch.num_requests):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             out.append(RequestOutput(
-                index=i, request_id=int(self.batch.request_ids[i]), rows=slice(lo, hi),
+                index=i, request_id=i if ids is None else int(ids[i]), rows=slice(lo, hi),
                 positions=self.batch.positions[lo:hi], hidden=self.hidden[lo:hi],
                 sampled=by_row.get(hi - 1) if hi > lo else None))
         return out
@@ -75,7 +73,7 @@ class PrefillResult:
 
 def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
             backend: Backend = "reference", precision: str = "fp32", layers: Sequence[int] | None = None,
-            logit_rows: Sequence[int] | np.ndarray | None = None,
+            logit_rows: Sequence[int] | np.ndarray | None = None, prepared: PreparedWeightsCache | None = None,
             on_layer: Callable[[int, int], None] | None = None) -> PrefillResult:
     """Run a packed prefill of ``batch`` for the whole TP group on one process.
 
@@ -88,15 +86,15 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     layers: distinct int layer indices to run (default all); logit_rows: group rows to sample (default
     batch.logit_rows). Layers, caches (every pool array of the layers run, shape and dtype) and, for the pypto
     backend, the range of the kernels' fp32 indices are checked before anything is read or written.
-    For one rank's view of a TP group see :mod:`dspark_kernels.tp`.
+    prepared: a cache of prepared attention weights to reuse across calls (default: one for this call).
+    For one rank's view of a TP group see :mod:`dspark_kernels.model.tp`.
     """
     issues = _check(batch, inputs, weights, backend)
     if precision not in PRECISIONS:
         issues.append(Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS),
                             actual=repr(precision)))
-    elif backend == "pypto" and precision != "a2a3":
-        issues.append(Issue("config.invalid", "precision", "the pypto backend computes the a2a3 kernels' numerics",
-                            expected="a2a3", actual=precision))
+    elif backend in BACKENDS:
+        issues += backend_issues(backend, precision)  # a precision the backend cannot compute
     run, layer_issues = _layers(batch, layers)
     issues += layer_issues
     if isinstance(batch, PackedBatch) and run is not None:
@@ -110,16 +108,12 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
             issues += _pypto_index_issues(batch, run)
     if issues or run is None:
         raise ABIError(issues)
-    attention_fn = None
-    if backend == "pypto":
-        from dspark_kernels.pypto import attention_pypto
-
-        def attention_fn(b, layer, x, w, c, *, precision, rank):  # type: ignore[no-untyped-def]
-            return attention_pypto(b, layer, x, w, c, rank=rank)
+    attention = resolve_backend(backend, precision)
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
         result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=run,
-                                            logit_rows=logit_rows, on_layer=on_layer, attention_fn=attention_fn)
+                                            logit_rows=logit_rows, on_layer=on_layer, attention=attention,
+                                            prepared=prepared)
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
@@ -154,8 +148,6 @@ def _pypto_index_issues(batch: PackedBatch, run: list[int]) -> list[Issue]:
     """``kernel.index_range`` issues of the pypto kernels' fp32 indices over ``run``: every table the layers
     read (R * table_width), every block of its pool (blocks * page_size, not only the blocks mapped now, so a
     geometry fails on its first call) and the positions."""
-    from dspark_kernels.pypto.index_guard import index_range_issues
-
     cfg = batch.config
     issues = []
     for pool in sorted({p for i in run for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
@@ -172,14 +164,14 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
                       expected="PackedBatch", actual=type(batch).__name__)]
     issues: list[Issue] = []
     if backend not in BACKENDS:
-        issues.append(Issue("config.invalid", "backend", "unknown backend", expected=list(BACKENDS), actual=backend))
+        issues += backend_issues(backend, None)
     arr = np.asarray(inputs)
     if arr.dtype.kind == "f":
         if not np.isfinite(arr).all():
             issues.append(Issue("array.dtype", "hidden", "hidden rows must be finite", expected="finite",
                                 actual="NaN or inf"))
         elif arr.ndim >= 2 and arr.shape[0] == batch.padded_rows:
-            issues += validate(batch, hidden=arr).issues  # padding rows must be zero
+            issues += _padding_hidden_issues(batch, arr)
     elif arr.dtype.kind in "iu" and arr.shape == (batch.padded_rows,) and batch.padded_rows > batch.num_tokens:
         pad = arr[batch.num_tokens:]
         if (pad != batch.policy.pad_token_id).any():
@@ -192,6 +184,19 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
     elif weights.config == batch.config:
         issues += weights.validate().issues
     return issues
+
+
+def _padding_hidden_issues(batch: PackedBatch, hidden: np.ndarray) -> list[Issue]:
+    """``padding.hidden`` for the first padding row of ``hidden`` [P, ...] that is not all zero (with the count),
+    as the ABI validator reports it; the batch itself is already valid, so nothing else is re-validated."""
+    n, p = batch.num_tokens, batch.padded_rows
+    if p == n:
+        return []  # no padding rows
+    nonzero = np.flatnonzero(np.any(hidden[n:].reshape(p - n, -1) != 0, axis=1))
+    if nonzero.size == 0:
+        return []
+    return [Issue("padding.hidden", "hidden", "padding rows of the hidden state must be zero",
+                  index=n + int(nonzero[0]), expected=0.0, actual="nonzero row", count=int(nonzero.size))]
 
 
 def _snapshot_written_rows(batch: PackedBatch, caches: ModelCaches, layers: list[int]

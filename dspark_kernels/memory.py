@@ -2,7 +2,7 @@
 
 :func:`estimate_prefill` adds three parts:
 
-* weights: every tensor :func:`~dspark_kernels.model_weights.weight_specs` lists, as :class:`ModelWeights` holds
+* weights: every tensor :func:`~dspark_kernels.model.weights.weight_specs` lists, as :class:`ModelWeights` holds
   it (float32; ``tid2eid`` int64), including all routed experts of every layer; plus the transient of building
   one layer (its experts are read one by one, then stacked: twice that layer's experts at once) and, in
   ``a2a3`` precision, the attention weights' prepared copies. Streaming weights (``resident_layers=1``, a
@@ -25,9 +25,10 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from dspark_abi import PoolBlocks
 from dspark_abi.config import ModelConfig
-from dspark_kernels.model_weights import weight_specs
-from dspark_kernels.reference.caches import POOLS_BY_KIND
+from dspark_kernels.model.caches import POOLS_BY_KIND
+from dspark_kernels.model.weights import weight_specs
 
 #: Bytes per element as :class:`ModelWeights` holds a tensor: floats as float32, ``tid2eid`` as int64.
 _ELEMENT_BYTES = {"float": 4, "int": 8}
@@ -95,9 +96,9 @@ def weight_bytes(config: ModelConfig) -> int:
     return other + sum(layers)
 
 
-def cache_bytes(config: ModelConfig, pool_blocks: Mapping[str, int] | object, precision: str = "fp32") -> int:
+def cache_bytes(config: ModelConfig, pool_blocks: Mapping[str, int] | PoolBlocks, precision: str = "fp32") -> int:
     """Bytes of :meth:`ModelCaches.allocate(config, pool_blocks, precision) <ModelCaches.allocate>`."""
-    blocks = pool_blocks.as_dict() if hasattr(pool_blocks, "as_dict") else dict(pool_blocks)  # type: ignore[call-overload]
+    blocks = pool_blocks.as_dict() if isinstance(pool_blocks, PoolBlocks) else dict(pool_blocks)
     pools, total = config.layout.pools, 0
     for i in range(config.num_layers):
         for name in POOLS_BY_KIND[config.layer_kind(i)]:
@@ -118,7 +119,7 @@ def activation_bytes(config: ModelConfig, rows: int, logit_rows: int = 0) -> int
     return 4 * (rows * per_row + logit_rows * c.vocab_size) + _TILE_BYTES
 
 
-def estimate_prefill(config: ModelConfig, pool_blocks: Mapping[str, int] | object, *, rows: int,
+def estimate_prefill(config: ModelConfig, pool_blocks: Mapping[str, int] | PoolBlocks, *, rows: int,
                      logit_rows: int = 0, precision: str = "fp32", resident_layers: int | None = None,
                      weight_copies: int = 1, cache_copies: int = 1, activation_copies: int = 1,
                      kernel_processes: int = 0) -> MemoryEstimate:

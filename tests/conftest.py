@@ -1,4 +1,9 @@
-"""Shared pytest setup: hypothesis profiles (CI runs a fixed, derandomized number of examples)."""
+"""Shared pytest setup: hypothesis profiles (CI runs a fixed, derandomized number of examples).
+
+Convention of every test and of the conformance vectors: a request is written (num_cached, num_new), or
+(request_id, num_cached, num_new), the argument order of ``BatchBuilder.add``. Only the command lines read
+``--request TOKENS@CACHED`` (new tokens first, as ``dspark_abi.cli.common.parse_request`` returns them).
+"""
 
 import os
 

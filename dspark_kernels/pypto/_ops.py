@@ -1,19 +1,36 @@
-"""Building blocks traced inside pypto kernels: int8 row quantisation, RMSNorm, interleaved RoPE.
+"""What the pypto kernels share: their tiling rules and masked values, and the building blocks traced inside
+them (int8 row quantisation, RMSNorm, interleaved RoPE).
 
-Each function takes and returns pypto tensors and is called while a ``@kernel`` function is traced;
-each mirrors the reference's numerics (``dspark_kernels.reference.numerics`` / ``rope``) op for op.
+Each building block takes and returns pypto tensors and is called while a ``@kernel`` function is traced;
+each mirrors the model's numerics (:mod:`dspark_kernels.model.numerics` / :mod:`~dspark_kernels.model.rope`)
+op for op.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dspark_kernels.model.numerics import INT8_AMAX_FLOOR
 from dspark_kernels.pypto.runtime import pypto
 
-#: Floor of the per-row absolute maximum before int8 scaling (the reference's ``INT8_AMAX_FLOOR``).
-INT8_AMAX_FLOOR = 1e-4
-
 Tensor = Any  # pypto.Tensor while tracing
+
+#: pypto tiles need rows of at least 32 bytes (``lastDimBytes % BLOCK_SIZE == 0``): kernel rows narrower than
+#: this are padded (with -1 columns, or zero fp32 columns).
+MIN_ROW_BYTES = 32
+#: Fewest int32 columns a kernel row may have (:data:`MIN_ROW_BYTES` of int32).
+MIN_COLUMNS = MIN_ROW_BYTES // 4
+#: Masked score / logit: below every real score and finite, so the tile ops stay finite (a row whose entries
+#: are all masked pools to 0 and selects nothing; ``e^(MASKED_SCORE - m)`` is exactly 0 for any real maximum).
+MASKED_SCORE = -1e30
+
+
+def tile(n: int, cap: int) -> int:
+    """Largest power of two <= min(n, cap), at least 16 (the cube's fractal size)."""
+    t = 16
+    while t * 2 <= min(n, cap):
+        t *= 2
+    return t
 
 
 def int8_rows(v: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""Stage 4 (and the indexer's key compressor of stage 5): compressors ratio 4 and 128 (upstream 5.4, 5.5, 5.8).
+"""Stage 4 (and the indexer's key compressor of stage 5): upstream's ratio-4 and ratio-128 KV compressors.
 
 Three steps, each a kernel; every write happens through a slot mapping:
 
@@ -35,33 +35,36 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto._ops import int8_rows, rms_norm
+from dspark_abi import ABIError
+from dspark_kernels.model.checks import check_window_coverage
+from dspark_kernels.model.geometry import OVERLAP_RATIO, boundary_rows, coff, window_span
+from dspark_kernels.model.prepared import PreparedCompressor
+from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rms_norm, tile
 from dspark_kernels.pypto.index_guard import check_table, table_issues
-from dspark_kernels.pypto.o_proj import _tile
+from dspark_kernels.pypto.paged import run_scatter
 from dspark_kernels.pypto.projections import rope_heads
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 BF16 = ml_dtypes.bfloat16
-#: Ratio of the overlapping (CSA) compressor: 8 slots, previous and current window.
-OVERLAP_RATIO = 4
 #: Vector tiles (boundary rows, slots, channels) of the gathered windows [B, slots, d] per ratio. Cost model
 #: at P = 512: ratio 4 585k cycles with (1, 8, 128), 492k with (4, 8, 128), 509k with (8, 8, 128); ratio 128
 #: (4 boundary rows) 313k with (1, 8, 128), 331k with (4, 8, 128).
 POOL_TILES = {4: (4, 8, 128), 128: (1, 8, 128)}
-#: Masked score: below every real score and finite (a row whose slots are all missing pools to 0).
-MASKED_SCORE = -1e30
 
 
 @lru_cache(maxsize=16)
 def state_rows_kernel(rows: int, hidden: int, width: int, ratio: int) -> Any:
     """``[kv | score]`` [P, 2*width] fp32 of every group row (``width`` = coff * d)."""
-    tm, tk, tn = _tile(rows, 128), _tile(hidden, 128), _tile(width, 128)
+    tm, tk, tn = tile(rows, 128), tile(hidden, 128), tile(width, 128)
 
     @kernel
-    def state_rows(x: pypto.Tensor([rows, hidden], pypto.DT_BF16), wkv: pypto.Tensor([width, hidden], pypto.DT_BF16),
-                   wgate: pypto.Tensor([width, hidden], pypto.DT_BF16),
-                   ape: pypto.Tensor([ratio, width], pypto.DT_FP32), positions: pypto.Tensor([rows], pypto.DT_INT32),
-                   out: pypto.Tensor([rows, 2 * width], pypto.DT_FP32)):
+    def state_rows(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
+            wkv: pypto.Tensor([width, hidden], pypto.DT_BF16),
+            wgate: pypto.Tensor([width, hidden], pypto.DT_BF16),
+            ape: pypto.Tensor([ratio, width], pypto.DT_FP32),
+            positions: pypto.Tensor([rows], pypto.DT_INT32),
+            out: pypto.Tensor([rows, 2 * width], pypto.DT_FP32)):
         _sizes = (rows, hidden, width, ratio)  # closure capture: the annotations read these
         pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
         pypto.set_vec_tile_shapes(rows)
@@ -104,8 +107,8 @@ def _pooled(state: Any, rows_f: Any, ratio: int, dim: int) -> Any:
     present = pypto.ge(rows_f, 0.0)
     safe = pypto.cast(pypto.where(present, rows_f, 0.0), pypto.DT_INT32)
     live = pypto.where(present, 1.0, 0.0)                                                     # [B, span]
-    tile = POOL_TILES.get(ratio, POOL_TILES[OVERLAP_RATIO])
-    pypto.set_vec_tile_shapes(tile[0], min(span, tile[1]), tile[2])
+    vec = POOL_TILES.get(ratio, POOL_TILES[OVERLAP_RATIO])
+    pypto.set_vec_tile_shapes(vec[0], min(span, vec[1]), vec[2])
     slots = pypto.index_select(state, 0, safe)                                                 # [B, span, 2*coff*d]
     if ratio == OVERLAP_RATIO:
         half = span // 2  # previous window -> A halves, current window -> B halves
@@ -129,8 +132,7 @@ def _pooled(state: Any, rows_f: Any, ratio: int, dim: int) -> Any:
 def pool_kernel(rows: int, requests: int, width: int, state_rows_n: int, dim: int, ratio: int, page: int,
                 rope: int, eps: float, indexer: bool) -> Any:
     """Window pooling of B boundary rows (module docstring); ``indexer`` adds Hadamard + int8 outputs."""
-    span = 2 * ratio if ratio == OVERLAP_RATIO else ratio
-    coff = 2 if ratio == OVERLAP_RATIO else 1
+    span, halves = window_span(ratio), coff(ratio)
 
     def entries_of(positions: Any, request_ids: Any, state_table: Any, state: Any, norm: Any, cos: Any,
                    sin: Any) -> tuple[Any, Any]:
@@ -143,35 +145,37 @@ def pool_kernel(rows: int, requests: int, width: int, state_rows_n: int, dim: in
 
     if not indexer:
         @kernel
-        def compressor_pool(positions: pypto.Tensor([rows, 1], pypto.DT_INT32),
-                            request_ids: pypto.Tensor([rows, 1], pypto.DT_INT32),
-                            state_table: pypto.Tensor([requests * width], pypto.DT_INT32),
-                            state: pypto.Tensor([state_rows_n, 2 * coff * dim], pypto.DT_FP32),
-                            norm: pypto.Tensor([1, dim], pypto.DT_FP32),
-                            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                            entries: pypto.Tensor([rows, 1, dim], pypto.DT_BF16)):
-            _sizes = (rows, requests, width, state_rows_n, coff, dim, rope)  # closure capture for annotations
+        def compressor_pool(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+                positions: pypto.Tensor([rows, 1], pypto.DT_INT32),
+                request_ids: pypto.Tensor([rows, 1], pypto.DT_INT32),
+                state_table: pypto.Tensor([requests * width], pypto.DT_INT32),
+                state: pypto.Tensor([state_rows_n, 2 * halves * dim], pypto.DT_FP32),
+                norm: pypto.Tensor([1, dim], pypto.DT_FP32),
+                cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+                sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+                entries: pypto.Tensor([rows, 1, dim], pypto.DT_BF16)):
+            _sizes = (rows, requests, width, state_rows_n, halves, dim, rope)  # closure capture for annotations
             nope, roped = entries_of(positions, request_ids, state_table, state, norm, cos, sin)
             pypto.assemble(pypto.cast(nope, pypto.DT_BF16), [0, 0, 0], entries)
             pypto.assemble(pypto.cast(roped, pypto.DT_BF16), [0, 0, dim - rope], entries)
 
         return compressor_pool
 
-    tn = _tile(dim, 128)
+    tn = tile(dim, 128)
 
     @kernel
-    def index_key_pool(positions: pypto.Tensor([rows, 1], pypto.DT_INT32),
-                       request_ids: pypto.Tensor([rows, 1], pypto.DT_INT32),
-                       state_table: pypto.Tensor([requests * width], pypto.DT_INT32),
-                       state: pypto.Tensor([state_rows_n, 2 * coff * dim], pypto.DT_FP32),
-                       norm: pypto.Tensor([1, dim], pypto.DT_FP32),
-                       cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                       sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                       hadamard: pypto.Tensor([dim, dim], pypto.DT_BF16),
-                       idx: pypto.Tensor([rows, dim], pypto.DT_INT8),
-                       idx_scale: pypto.Tensor([rows, 1], pypto.DT_FP32)):
-        _sizes = (rows, requests, width, state_rows_n, coff, dim, rope)  # closure capture for annotations
+    def index_key_pool(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            positions: pypto.Tensor([rows, 1], pypto.DT_INT32),
+            request_ids: pypto.Tensor([rows, 1], pypto.DT_INT32),
+            state_table: pypto.Tensor([requests * width], pypto.DT_INT32),
+            state: pypto.Tensor([state_rows_n, 2 * halves * dim], pypto.DT_FP32),
+            norm: pypto.Tensor([1, dim], pypto.DT_FP32),
+            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            hadamard: pypto.Tensor([dim, dim], pypto.DT_BF16),
+            idx: pypto.Tensor([rows, dim], pypto.DT_INT8),
+            idx_scale: pypto.Tensor([rows, 1], pypto.DT_FP32)):
+        _sizes = (rows, requests, width, state_rows_n, halves, dim, rope)  # closure capture for annotations
         pypto.set_cube_tile_shapes([16, 16], [tn, tn], [tn, tn])
         nope, roped = entries_of(positions, request_ids, state_table, state, norm, cos, sin)
         y = pypto.cast(pypto.concat([nope, roped], -1), pypto.DT_BF16)                          # [B, 1, d]
@@ -217,30 +221,27 @@ def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.nda
 
 
 def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
-                  state_table: np.ndarray, state_pool: np.ndarray, weights: Any, cos: np.ndarray, sin: np.ndarray,
-                  *, page_size: int, eps: float, hadamard: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+                  state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor, cos: np.ndarray,
+                  sin: np.ndarray, *, page_size: int, eps: float, hadamard: np.ndarray | None = None,
+                  boundaries: np.ndarray | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """One compressor over a TP group's rows through pypto; **mutates** ``state_pool`` (the ring).
 
     x [P, X] (bf16 values); positions, request [P] (-1 padding); state_slots [P] int64 (-1 = no write);
     state_table [R, width] int32; state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor``
-    (a2a3); cos, sin [P, rd/2] at each row's window start. Returns (boundary rows b [B] int64, outputs):
+    (a2a3); cos, sin [P, rd/2] at each row's window start; boundaries: the plan's boundary rows of this ratio
+    (derived from positions and request when None). Returns (boundary rows b [B] int64, outputs):
     outputs = (entries [B, d] float32 bf16 values,) or, with ``hadamard``, (idx [B, d] int8, idx_scale [B]).
     Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped, and
     ``kernel.index_range`` if the pooling kernel's fp32 indices would round.
     """
-    from dspark_abi.errors import ABIError
-    from dspark_kernels.pypto.paged import run_scatter
-    from dspark_kernels.reference.compressor import boundary_mask, check_window_coverage
-
     ratio = weights.ratio
-    issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table")
+    b = boundary_rows(positions, request, ratio) if boundaries is None else np.asarray(boundaries, np.int64)
+    issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table", b)
     issues += table_issues("state_table", state_table, page_size, positions)
     if issues:
         raise ABIError(issues)
     rows = run_state_rows(x, weights.wkv, weights.wgate, weights.ape, positions).values[-1]
     state_pool[...] = run_scatter(state_pool, rows, state_slots).values[0]
-    b = np.flatnonzero(boundary_mask(positions, request, ratio)).astype(np.int64)
     if b.size == 0:
         d = weights.dim
         return b, ((np.zeros((0, d), np.int8), np.zeros(0, np.float32)) if hadamard is not None

@@ -1,4 +1,4 @@
-"""Stage 5: lightning indexer queries, scores and top-k (upstream section 5.6; keys: ``compressor``).
+"""Stage 5: lightning indexer queries, scores and top-k (upstream's lightning indexer; keys: ``compressor``).
 
 Kernel arguments (T query rows = the rank's L local rows; Q q_lora_rank, X hidden, HI/dI indexer heads/dim,
 rd rope dims, C candidate columns, k = index_topk, Ri idx-pool rows; shapes static per call):
@@ -11,7 +11,7 @@ rd rope dims, C candidate columns, k = index_topk, Ri idx-pool rows; shapes stat
 * ``idx`` [Ri, dI] int8, ``idx_scale`` [Ri] fp32 in: the idx cache (written by the indexer compressor first,
   so a boundary row sees its own new entry).
 * ``candidates`` [T, C] int32 in: physical idx rows of entries ``c < (p + 1) // 4`` through the row's own
-  request table (``paged.run_entry_rows`` with ratio 4), -1 = not a candidate (invisible, unmapped, padding).
+  request table (``entry_rows.run_entry_rows`` with ratio 4), -1 = not a candidate (invisible, unmapped, padding).
 * ``top`` [T, k] int32 out: logical entries of the k best scores, best first; -1 after ``min(k, candidates)``.
 
 Math: ``q = rope((qr_q @ wq_b.T) * qr_scale * wq_b_scale)`` per head, bf16; ``q = bf16(q) @ hadamard``;
@@ -28,13 +28,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto._ops import int8_rows, rope_rows
-from dspark_kernels.pypto.o_proj import _tile
+from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rope_rows, tile
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 BF16 = ml_dtypes.bfloat16
-#: Score of a non-candidate column: below every real score (scores are finite), finite for the tile ops.
-MASKED_SCORE = -1e30
 #: Largest k pypto 0.2.0's ``topk`` supports.
 TOPK_MAX_K = 128
 #: Elements of one selection tile: topk and the masking scatter need whole rows in a tile
@@ -69,24 +66,25 @@ def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, ro
                    topk: int, pool_rows: int, weight_scale: float, rounds: int = 0) -> Any:
     """The jit kernel for one geometry (module docstring); ``rounds``: see :func:`_select` (0 = as few as k allows)."""
     rounds = rounds or -(-topk // TOPK_MAX_K)
-    tm, tk, tn = _tile(rows, 128), _tile(max(hidden, q_rank), 128), _tile(dim, 128)
+    tm, tk, tn = tile(rows, 128), tile(max(hidden, q_rank), 128), tile(dim, 128)
     if tm == 64:  # an M tile of 64 here ends the process with SIGSEGV in pypto 0.2.0 (seen for 64 <= T < 128)
         tm = 32
 
     @kernel
-    def lightning_indexer(qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
-                          qr_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
-                          wq_b: pypto.Tensor([heads * dim, q_rank], pypto.DT_INT8),
-                          wq_b_scale: pypto.Tensor([1, heads * dim], pypto.DT_FP32),
-                          x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
-                          weights_proj: pypto.Tensor([heads, hidden], pypto.DT_BF16),
-                          cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                          sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                          hadamard: pypto.Tensor([dim, dim], pypto.DT_BF16),
-                          idx: pypto.Tensor([pool_rows, dim], pypto.DT_INT8),
-                          idx_scale: pypto.Tensor([pool_rows], pypto.DT_FP32),
-                          candidates: pypto.Tensor([rows, columns], pypto.DT_INT32),
-                          top: pypto.Tensor([rows, topk], pypto.DT_INT32)):
+    def lightning_indexer(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
+            qr_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
+            wq_b: pypto.Tensor([heads * dim, q_rank], pypto.DT_INT8),
+            wq_b_scale: pypto.Tensor([1, heads * dim], pypto.DT_FP32),
+            x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
+            weights_proj: pypto.Tensor([heads, hidden], pypto.DT_BF16),
+            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            hadamard: pypto.Tensor([dim, dim], pypto.DT_BF16),
+            idx: pypto.Tensor([pool_rows, dim], pypto.DT_INT8),
+            idx_scale: pypto.Tensor([pool_rows], pypto.DT_FP32),
+            candidates: pypto.Tensor([rows, columns], pypto.DT_INT32),
+            top: pypto.Tensor([rows, topk], pypto.DT_INT32)):
         _sizes = (rows, q_rank, hidden, heads, dim, rope, columns, topk, pool_rows)  # closure capture
         pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
         pypto.set_vec_tile_shapes(16, 128)

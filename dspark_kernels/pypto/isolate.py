@@ -69,9 +69,9 @@ def run_isolated(func: Callable[..., Any], *args: Any, timeout: float = DEFAULT_
 def _search_path(module: str) -> tuple[str, ...]:
     """The repository root, plus the folder of a top-level module (a test helper pytest imported by path)."""
     paths = [str(_REPO_ROOT)]
-    loaded = sys.modules.get(module)
-    if "." not in module and loaded is not None and getattr(loaded, "__file__", None):
-        paths.insert(0, str(Path(loaded.__file__).resolve().parent))
+    file = getattr(sys.modules.get(module), "__file__", None)
+    if "." not in module and file:
+        paths.insert(0, str(Path(file).resolve().parent))
     return tuple(paths)
 
 

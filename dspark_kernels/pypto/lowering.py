@@ -1,4 +1,4 @@
-"""Stage 1: rank-local request ids from ``query_start_loc`` in O(L + R) (upstream section 7.5).
+"""Stage 1: rank-local request ids from ``query_start_loc`` in O(L + R) (upstream's request-id lowering).
 
 Kernel arguments (static shapes per call):
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_abi.lowering import lower_local_request_ids as _validate_and_lower
+from dspark_abi import lower_local_request_ids as abi_lowering
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 
@@ -29,9 +29,10 @@ def lowering_kernel(boundaries: int, rows: int) -> Any:
     tile = 64
 
     @kernel
-    def lower_local_request_ids(query_start_loc: pypto.Tensor([boundaries], pypto.DT_INT32),
-                                local_base: pypto.Tensor([1], pypto.DT_INT32),
-                                ids: pypto.Tensor([rows], pypto.DT_INT32)):
+    def lower_local_request_ids(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            query_start_loc: pypto.Tensor([boundaries], pypto.DT_INT32),
+            local_base: pypto.Tensor([1], pypto.DT_INT32),
+            ids: pypto.Tensor([rows], pypto.DT_INT32)):
         pypto.set_vec_tile_shapes(tile)
         rel = pypto.cast(pypto.sub(query_start_loc, pypto.expand_clone(local_base, [boundaries])), pypto.DT_FP32)
         before = pypto.sum(pypto.where(pypto.lt(rel, 0.0), 1.0, 0.0), 0, keepdim=True)          # [1]
@@ -48,11 +49,13 @@ def lowering_kernel(boundaries: int, rows: int) -> Any:
 
 
 def run_lowering(query_start_loc: np.ndarray, local_base: int, local_rows: int) -> LaunchResult:
-    """Validate ``query_start_loc`` (raises ABIError with qsl.* codes) and run the kernel.
+    """Check ``query_start_loc`` (raises ABIError with qsl.* codes) and run the kernel.
 
-    Returns the launch result; ``values[-1]`` is ``ids`` [L] int32.
+    Returns the launch result; ``values[-1]`` is ``ids`` [L] int32. The pypto backend runs it once per plan.
     """
     qsl = np.asarray(query_start_loc)
-    _validate_and_lower(qsl, local_base, local_rows)  # host-side checks: 1-D, qsl[0] == 0, non-decreasing
+    # the ABI's O(R) host checks (1-D, qsl[0] == 0, non-decreasing, base and rows >= 0) without lowering a row
+    # on the host (the kernel lowers them): a count of min(rows, 0) is empty, or negative and reported
+    abi_lowering(qsl, local_base, min(local_rows, 0))
     k = lowering_kernel(qsl.size, local_rows)
     return launch(k, [qsl.astype(np.int32), np.array([local_base], np.int32), Out((local_rows,), np.int32, "ids")])

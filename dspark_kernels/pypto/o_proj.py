@@ -1,4 +1,4 @@
-"""Stage 7: grouped output projection with per-token, per-group int8 activations (upstream section 5.3).
+"""Stage 7: grouped output projection with per-token, per-group int8 activations (upstream's attention output stage).
 
 Kernel arguments (T rows = the rank's L local rows; H heads, D head_dim, G o_groups, Ro o_lora_rank,
 X hidden_size; all shapes static per call):
@@ -20,16 +20,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto._ops import int8_rows
+from dspark_kernels.pypto._ops import int8_rows, tile
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
-
-
-def _tile(n: int, cap: int) -> int:
-    """Largest power of two <= min(n, cap), at least 16 (the cube's fractal size)."""
-    t = 16
-    while t * 2 <= min(n, cap):
-        t *= 2
-    return t
 
 
 @lru_cache(maxsize=16)
@@ -38,15 +30,16 @@ def o_proj_kernel(rows: int, groups: int, group_in: int, rank: int, hidden: int)
     # L0A/L0B hold 64 KB: tk * tn * 2 B <= 64 KB. Cost model at FLASH sizes (L = 128): 874k cycles with 128^3
     # tiles and (tm, 64) vector tiles, 449k with a 1024-deep K panel in L1 and (64, 128) vector tiles, 421k
     # with 256-deep K steps as well (roofline 143k: the weights' bytes).
-    tm, tk, tn = _tile(rows, 128), _tile(group_in, 256), _tile(max(rank, hidden), 128)
-    tk_l1 = _tile(group_in, 1024)
+    tm, tk, tn = tile(rows, 128), tile(group_in, 256), tile(max(rank, hidden), 128)
+    tk_l1 = tile(group_in, 1024)
 
     @kernel
-    def o_proj(attn: pypto.Tensor([rows, groups * group_in], pypto.DT_BF16),
-               wo_a: pypto.Tensor([groups * rank, group_in], pypto.DT_BF16),
-               wo_b: pypto.Tensor([hidden, groups * rank], pypto.DT_INT8),
-               wo_b_scale: pypto.Tensor([1, hidden], pypto.DT_FP32),
-               out: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
+    def o_proj(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            attn: pypto.Tensor([rows, groups * group_in], pypto.DT_BF16),
+            wo_a: pypto.Tensor([groups * rank, group_in], pypto.DT_BF16),
+            wo_b: pypto.Tensor([hidden, groups * rank], pypto.DT_INT8),
+            wo_b_scale: pypto.Tensor([1, hidden], pypto.DT_FP32),
+            out: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
         pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
         pypto.set_vec_tile_shapes(64, 128)
         acc = pypto.full([rows, hidden], 0.0, pypto.DT_FP32)

@@ -1,4 +1,4 @@
-"""Stage 2: q and shared-kv projections with RMSNorm and RoPE (upstream section 5.1 steps 3-4).
+"""Stage 2: q and shared-kv projections with RMSNorm and RoPE (upstream's pre-attention projections).
 
 ``query`` kernel (T = the rank's L local rows; X hidden, Q q_lora_rank, H heads, D head_dim, rd rope dims):
 
@@ -24,8 +24,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto._ops import int8_rows, rms_norm, rope_rows
-from dspark_kernels.pypto.o_proj import _tile
+from dspark_kernels.pypto._ops import int8_rows, rms_norm, rope_rows, tile
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 BF16 = ml_dtypes.bfloat16
@@ -52,17 +51,21 @@ def rope_heads(v: Any, cos: Any, sin: Any, rows: int, heads: int, dim: int, rope
 @lru_cache(maxsize=16)
 def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope: int, eps: float) -> Any:
     """The q-path jit kernel for one geometry."""
-    tm, tk, tn = _tile(rows, 128), _tile(max(hidden, q_rank), K_L0_CAP), _tile(q_rank, 128)
-    tk_l1 = _tile(max(hidden, q_rank), K_L1_CAP)
+    tm, tk, tn = tile(rows, 128), tile(max(hidden, q_rank), K_L0_CAP), tile(q_rank, 128)
+    tk_l1 = tile(max(hidden, q_rank), K_L1_CAP)
 
     @kernel
-    def query(x: pypto.Tensor([rows, hidden], pypto.DT_BF16), wq_a: pypto.Tensor([q_rank, hidden], pypto.DT_BF16),
-              q_norm: pypto.Tensor([1, q_rank], pypto.DT_FP32),
-              wq_b: pypto.Tensor([heads * dim, q_rank], pypto.DT_INT8),
-              wq_b_scale: pypto.Tensor([1, heads * dim], pypto.DT_FP32),
-              cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16), sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-              q: pypto.Tensor([rows, heads, dim], pypto.DT_BF16), qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
-              qr_scale: pypto.Tensor([rows, 1], pypto.DT_FP32)):
+    def query(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
+            wq_a: pypto.Tensor([q_rank, hidden], pypto.DT_BF16),
+            q_norm: pypto.Tensor([1, q_rank], pypto.DT_FP32),
+            wq_b: pypto.Tensor([heads * dim, q_rank], pypto.DT_INT8),
+            wq_b_scale: pypto.Tensor([1, heads * dim], pypto.DT_FP32),
+            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            q: pypto.Tensor([rows, heads, dim], pypto.DT_BF16),
+            qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
+            qr_scale: pypto.Tensor([rows, 1], pypto.DT_FP32)):
         _sizes = (rows, hidden, q_rank, heads, dim, rope)  # closure capture: the annotations read these
         pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
         pypto.set_vec_tile_shapes(VEC_ROWS, 128)
@@ -85,15 +88,17 @@ def query_kernel(rows: int, hidden: int, q_rank: int, heads: int, dim: int, rope
 @lru_cache(maxsize=16)
 def shared_kv_kernel(rows: int, hidden: int, dim: int, rope: int, eps: float) -> Any:
     """The kv-path jit kernel for one geometry."""
-    tm, tk, tn = _tile(rows, 128), _tile(hidden, K_L0_CAP), _tile(dim, 128)
-    tk_l1 = _tile(hidden, K_L1_CAP)
+    tm, tk, tn = tile(rows, 128), tile(hidden, K_L0_CAP), tile(dim, 128)
+    tk_l1 = tile(hidden, K_L1_CAP)
 
     @kernel
-    def shared_kv(x: pypto.Tensor([rows, hidden], pypto.DT_BF16), wkv: pypto.Tensor([dim, hidden], pypto.DT_BF16),
-                  kv_norm: pypto.Tensor([1, dim], pypto.DT_FP32),
-                  cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                  sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                  kv: pypto.Tensor([rows, 1, dim], pypto.DT_BF16)):
+    def shared_kv(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
+            wkv: pypto.Tensor([dim, hidden], pypto.DT_BF16),
+            kv_norm: pypto.Tensor([1, dim], pypto.DT_FP32),
+            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            kv: pypto.Tensor([rows, 1, dim], pypto.DT_BF16)):
         _sizes = (rows, hidden, dim, rope)  # closure capture: the annotations read these
         pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
         pypto.set_vec_tile_shapes(VEC_ROWS, 128)

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -118,7 +118,7 @@ _check_installation()
 SCRATCH = _redirect_scratch()
 _skip_swimlane_scripts(SCRATCH)
 
-import pypto  # noqa: E402
+import pypto as pypto  # noqa: E402  (explicit re-export: the kernel modules import pypto from here)
 import torch  # noqa: E402  (pypto needs torch imported first)
 from pypto import pypto_impl  # noqa: E402
 from pypto._utils import BuildOnlineManager  # noqa: E402
@@ -201,11 +201,15 @@ def kernel(fn: Callable[..., Any]) -> Any:
     return pypto.frontend.jit(**jit_options())(fn)
 
 
+def _shape(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class Out:
     """An output argument the kernel must write completely: pre-filled with a sentinel, checked after the call."""
 
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
     dtype: Any = attrs.field(converter=np.dtype)
     name: str = "out"
 
@@ -286,11 +290,13 @@ def launch(jit_kernel: Any, args: Sequence[np.ndarray | Out], *, check_written: 
         else:
             tensors.append(_to_torch(np.asarray(arg)))
     if run_mode() == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device)
+        # torch_npu is an optional NPU-only package (no stubs, absent on CPU machines); importing it
+        # registers the npu device
+        import torch_npu  # type: ignore[import-not-found]  # noqa: F401
 
         device_tensors = [t.to("npu") for t in tensors]
         jit_kernel(*device_tensors)
-        torch.npu.synchronize()
+        torch.npu.synchronize()  # torch_npu adds torch.npu
         tensors, cycles = [t.cpu() for t in device_tensors], None
     else:
         try:

@@ -1,4 +1,4 @@
-"""Stage 6: sparse attention core over window + compressed keys with the attention sink (upstream section 5.3).
+"""Stage 6: upstream's sparse attention core, over window + compressed keys with the attention sink.
 
 Kernel arguments (T query rows = the rank's L local rows; H heads, D head_dim = the latent key/value
 width, W window, K compressed columns, rd rope dims; all shapes static per call):
@@ -6,7 +6,7 @@ width, W window, K compressed columns, rd rope dims; all shapes static per call)
 * ``q``          [T, H, D] bf16 in: queries after RoPE (stage 2).
 * ``window_rows`` [T, W] int32 in: physical ``ori`` rows of each query's window (stage 3), -1 = none.
 * ``cmp_rows``   [T, K] int32 in: physical rows of the compressed pool (``csa_cmp`` rows of the top-k
-  entries, or every visible ``hca_cmp`` entry; :func:`dspark_kernels.pypto.paged.run_entry_rows`), -1 = none.
+  entries, or every visible ``hca_cmp`` entry; :func:`dspark_kernels.pypto.entry_rows.run_entry_rows`), -1 = none.
   Absent (K = 0) on SWA layers.
 * ``ori``        [Ro, D] bf16 in: the ``ori`` pool; ``cmp`` [Rc, D] bf16 in: the compressed pool.
 * ``sink``       [1, H] fp32 in: per-head sink logit.
@@ -30,16 +30,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto.paged import MIN_COLUMNS
+from dspark_kernels.pypto._ops import MASKED_SCORE, MIN_COLUMNS
 from dspark_kernels.pypto.projections import rope_heads
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
 
 BF16 = ml_dtypes.bfloat16
-#: Logit bias of a missing key: e^(MASKED_LOGIT - m) is exactly 0 for any m >= RUNNING_MAX_FLOOR.
-MASKED_LOGIT = -1e30
 #: Start of the running maximum. Real logits are q.k * D^-0.5 with RMS-normalised q and keys (|logit| is of
 #: order sqrt(D) times the kv_norm weights, ~23 at D = 512), so the floor never wins against a real key and
-#: the maximum is exact; it would only matter for norm weights in the hundreds.
+#: the maximum is exact; it would only matter for norm weights in the hundreds. A missing key's logit bias is
+#: :data:`~dspark_kernels.pypto._ops.MASKED_SCORE`: ``e^(MASKED_SCORE - m)`` is exactly 0 for any m >= this floor.
 RUNNING_MAX_FLOOR = -1e4
 #: Key columns per online-softmax step. Cost model, FLASH heads, T = 32 rows, 128 window + 512 top-k keys:
 #: 387k cycles with 128-key tiles (5 steps), 301k with 256 (3 steps), 258k with 512, 243k with one 640-key
@@ -84,15 +83,16 @@ def sparse_attention_kernel(rows: int, heads: int, dim: int, window: int, compre
     tn = min(max(tile, 16), 256)  # L0B: tk * tn * 2 B <= 64 KB
 
     @kernel
-    def sparse_attention(q: pypto.Tensor([rows, heads, dim], pypto.DT_BF16),
-                         window_rows: pypto.Tensor([rows, window], pypto.DT_INT32),
-                         cmp_rows: pypto.Tensor([rows, k_cols], pypto.DT_INT32),
-                         ori: pypto.Tensor([ori_rows, dim], pypto.DT_BF16),
-                         cmp: pypto.Tensor([cmp_n, dim], pypto.DT_BF16),
-                         sink: pypto.Tensor([1, heads], pypto.DT_FP32),
-                         cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                         sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-                         o: pypto.Tensor([rows, heads, dim], pypto.DT_BF16)):
+    def sparse_attention(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            q: pypto.Tensor([rows, heads, dim], pypto.DT_BF16),
+            window_rows: pypto.Tensor([rows, window], pypto.DT_INT32),
+            cmp_rows: pypto.Tensor([rows, k_cols], pypto.DT_INT32),
+            ori: pypto.Tensor([ori_rows, dim], pypto.DT_BF16),
+            cmp: pypto.Tensor([cmp_n, dim], pypto.DT_BF16),
+            sink: pypto.Tensor([1, heads], pypto.DT_FP32),
+            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            o: pypto.Tensor([rows, heads, dim], pypto.DT_BF16)):
         _sizes = (rows, heads, dim, window, k_cols, ori_rows, cmp_n, rope)  # closure capture for annotations
         pypto.set_cube_tile_shapes([tm, tm], [tk, max(tk, min(k_l1, dim))], [tn, tn])
         out = _attend(q, window_rows, cmp_rows, ori, cmp, sink, blocks, scale, head_tile)             # [T, H, D]
@@ -107,7 +107,7 @@ def _attend(q: Any, window_rows: Any, cmp_rows: Any, ori: Any, cmp: Any, sink: A
             blocks: tuple[tuple[Segment, ...], ...], scale: float, head_tile: int) -> Any:
     """Online softmax with sink over the key tiles ``blocks``; returns fp32 [T, H, D] (traced, plain Python).
 
-    The running maximum starts at RUNNING_MAX_FLOOR, far below any real logit but far above MASKED_LOGIT, so
+    The running maximum starts at RUNNING_MAX_FLOOR, far below any real logit but far above MASKED_SCORE, so
     a missing key's ``e^(s - m)`` is exactly 0 without a separate mask multiply, real keys see the true
     maximum, and a row without any key keeps ``l = 0`` (its output is set to 0).
     """
@@ -124,7 +124,7 @@ def _attend(q: Any, window_rows: Any, cmp_rows: Any, ori: Any, cmp: Any, sink: A
             idx = pypto.cast(pypto.view(index_src, [rows, cols], [0, first]), pypto.DT_FP32)      # [T, n]
             present = pypto.ge(idx, 0.0)
             safe = pypto.cast(pypto.where(present, idx, 0.0), pypto.DT_INT32)
-            biases.append(pypto.where(present, 0.0, MASKED_LOGIT))                                  # [T, n]
+            biases.append(pypto.where(present, 0.0, MASKED_SCORE))                                  # [T, n]
             pypto.set_vec_tile_shapes(1, head_tile, VEC_COLUMNS)
             gathered.append(pypto.index_select(pool, 0, safe))                                      # [T, n, D]
         cols = sum(segment[2] for segment in block)

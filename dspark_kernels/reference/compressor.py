@@ -1,4 +1,5 @@
-"""KV compressors: ratio 4 (CSA, overlapping windows) and ratio 128 (HCA), with their state rings.
+"""Stage 4 (reference): KV compressors, ratio 4 (CSA, overlapping windows) and ratio 128 (HCA), with their state
+rings; and stage 5's key compressor of the lightning indexer (:func:`compress_index_keys`).
 
 Per live token t at position p (all rows of the TP group), in float32:
 ``kv_t = x_t @ wkv.T`` and ``score_t = x_t @ wgate.T + ape[p % m]`` (the learned bias goes on the gate
@@ -16,90 +17,52 @@ begun in an earlier chunk continues from the ring:
 on the last rd dims at the window start ``j * m = p + 1 - m`` with the compressed-layer frequencies;
 the a2a3 kernels round the result to bf16. Entry j covers positions ``j*m - (m if ratio 4 else 0)`` ..
 ``j*m + m - 1`` and is visible to queries at positions ``>= j*m + m - 1``.
+
+Indexer keys (CSA, all group rows): the ratio-4 compressor at ``index_head_dim`` (own weights and state pool),
+then the Hadamard rotation ``z = y @ Hd`` (Sylvester / sqrt(dI)). fp32 stores z exactly (scale 1.0); a2a3 rounds
+z to bf16 (y already bf16, Hd bf16) and stores ``int8q(z)``: int8 row + float32 dequant scale.
+
+Boundary rows come from the batch's plan (``boundaries=``); called on bare arrays, a stage derives them
+(:func:`~dspark_kernels.model.geometry.boundary_rows`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from dspark_abi.errors import ABIError, Issue
-from dspark_kernels.reference.numerics import Precision, linear, narrow, rms_norm
-from dspark_kernels.reference.paged import gather_rows, physical_rows, scatter_rows
-from dspark_kernels.reference.prepared import PreparedCompressor
-from dspark_kernels.reference.rope import apply_rope
+from dspark_abi import ABIError
+from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE
+from dspark_kernels.model.checks import coverage_issues
+from dspark_kernels.model.geometry import OVERLAP_RATIO, window_state_rows
+from dspark_kernels.model.numerics import Precision, bf16_round, int8_quantize, linear, narrow, rms_norm
+from dspark_kernels.model.prepared import PreparedCompressor, PreparedWeights
+from dspark_kernels.model.rope import apply_rope
+from dspark_kernels.reference.paged import gather_rows, scatter_rows
 from dspark_kernels.reference.tiling import tiles
 
-#: Ratio of the overlapping (CSA) compressor; any other ratio is non-overlapping.
-OVERLAP_RATIO = 4
 #: Boundary tokens pooled per step (bounds the [tokens, slots, d] gathers).
 POOL_TILE = 512
-
-
-def boundary_mask(positions: np.ndarray, request: np.ndarray, ratio: int) -> np.ndarray:
-    """[T] bool: live rows whose position closes a compression window ((p + 1) % ratio == 0)."""
-    p = np.asarray(positions, dtype=np.int64)
-    return (np.asarray(request) >= 0) & ((p + 1) % ratio == 0)
-
-
-def window_start_positions(positions: np.ndarray, ratio: int) -> np.ndarray:
-    """[T] int64: ``p + 1 - ratio`` on boundary positions, else 0 (upstream's ``*_cmp_freqs`` positions)."""
-    p = np.asarray(positions, dtype=np.int64)
-    return np.where((p + 1) % ratio == 0, p + 1 - ratio, 0)
-
-
-def _window_positions(p: np.ndarray, ratio: int) -> np.ndarray:
-    """[B, slots] absolute positions read by boundary tokens at ``p`` [B] (negative = before the sequence)."""
-    span = 2 * ratio if ratio == OVERLAP_RATIO else ratio
-    return p[:, None] - span + 1 + np.arange(span, dtype=np.int64)[None, :]          # (B, slots)
-
-
-def window_state_rows(positions: np.ndarray, request: np.ndarray, state_table: np.ndarray, ratio: int,
-                      page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Boundary rows and the physical state rows of their windows.
-
-    Returns (boundary row indices [B] int64, state rows [B, slots] int64 with -1 for missing slots);
-    slots are 8 (ratio 4: previous then current window) or ``ratio``.
-    """
-    b = np.flatnonzero(boundary_mask(positions, request, ratio))
-    pos = _window_positions(np.asarray(positions, dtype=np.int64)[b], ratio)
-    return b, physical_rows(state_table, np.asarray(request)[b], pos, page_size)
-
-
-def check_window_coverage(positions: np.ndarray, request: np.ndarray, state_table: np.ndarray, ratio: int,
-                          page_size: int, field: str) -> list[Issue]:
-    """Issues (``coverage.unmapped``) for non-overlapping windows with unmapped state slots; [] if covered.
-
-    The ratio-4 compressor tolerates missing slots (score -inf); the ratio-128 one requires full history.
-    """
-    if ratio == OVERLAP_RATIO:
-        return []
-    b, rows = window_state_rows(positions, request, state_table, ratio, page_size)
-    bad = np.flatnonzero((rows < 0).any(axis=1))
-    if bad.size == 0:
-        return []
-    t = int(b[bad[0]])
-    return [Issue("coverage.unmapped", field, f"the ratio-{ratio} window of row {t} (position "
-                  f"{int(positions[t])}) has unmapped state rows", index=t, request=int(request[t]),
-                  expected="every window position mapped", actual=int((rows[bad[0]] < 0).sum()),
-                  count=int(bad.size))]
 
 
 def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
              state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor,
              cos: np.ndarray, sin: np.ndarray, *, page_size: int, eps: float,
-             precision: Precision) -> tuple[np.ndarray, np.ndarray]:
+             precision: Precision, boundaries: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Run one compressor over a TP group's rows; writes the state ring, returns the new entries.
 
     x: [P, X] float32 hidden rows (bf16 values in a2a3); positions [P]; request [P] (-1 padding);
     state_slots: [P] int64 state-pool row of each token (-1 = no write); state_table: [R, width] int32;
     state_pool: [rows, 2*coff*d] float32, **mutated** (the ``[kv | score]`` rows of every live token);
-    cos, sin: [P, rd/2] RoPE at each row's window start (:func:`window_start_positions`).
+    cos, sin: [P, rd/2] RoPE at each row's window start
+    (:func:`~dspark_kernels.model.geometry.window_start_positions`). boundaries: the plan's boundary rows of
+    this ratio (derived from positions and request when None).
     Returns (boundary rows [B] int64 into the P rows, entries [B, d] float32; bf16 values in a2a3).
     Raises ABIError ``coverage.unmapped`` (before writing anything) if a ratio-128 window is not mapped.
     """
     ratio, d = weights.ratio, weights.dim
     request = np.asarray(request)
-    issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table")
+    b, rows = window_state_rows(positions, request, state_table, ratio, page_size, boundaries)
+    issues = coverage_issues(positions, request, b, rows, ratio, "state_table")
     if issues:
         raise ABIError(issues)
     live = np.flatnonzero(request >= 0)
@@ -109,7 +72,6 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
     score = linear(x_live, weights.wgate) + weights.ape[p_live % ratio]             # (n, coff*d)
     scatter_rows(state_pool, np.asarray(state_slots)[live], np.concatenate([kv, score], axis=1))
 
-    b, rows = window_state_rows(positions, request, state_table, ratio, page_size)
     entries = np.empty((b.size, d), dtype=np.float32)
     for lo, hi in tiles(0, b.size, POOL_TILE):
         slots, valid = gather_rows(state_pool, rows[lo:hi])                         # (B, slots, 2*coff*d)
@@ -128,3 +90,29 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
         entries[lo:hi] = rms_norm(pooled, weights.norm, eps)
     roped = apply_rope(entries, cos[b], sin[b])
     return b.astype(np.int64), narrow(roped, precision)
+
+
+def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
+                        state_table: np.ndarray, state_pool: np.ndarray, idx_slots: np.ndarray,
+                        idx_pool: np.ndarray, idx_scale_pool: np.ndarray, w: PreparedWeights,
+                        cos: np.ndarray, sin: np.ndarray, *, eps: float, precision: Precision,
+                        boundaries: np.ndarray | None = None) -> None:
+    """Indexer compressor over a TP group's rows; **mutates** the inner state, idx and idx_scale pools.
+
+    x [P, X]; positions, request [P]; state_slots, idx_slots [P] int64 (-1 = no write); state_table [R, w];
+    state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32); idx_scale_pool [rows];
+    cos, sin [P, rd/2] at each row's window start; boundaries: the plan's ratio-4 boundary rows (or None).
+    """
+    if w.idx_compressor is None or w.idx_hadamard is None:
+        raise ValueError("compress_index_keys needs CSA weights (indexer compressor and Hadamard)")
+    b, y = compress(x, positions, request, state_slots, state_table, state_pool, w.idx_compressor, cos, sin,
+                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, boundaries=boundaries)
+    z = y @ w.idx_hadamard                                                            # (B, dI)
+    slots = np.asarray(idx_slots)[b]
+    if precision == "fp32":
+        scatter_rows(idx_pool, slots, z)
+        scatter_rows(idx_scale_pool, slots, np.ones(b.size, dtype=np.float32))
+        return
+    z_q, z_scale = int8_quantize(bf16_round(z))
+    scatter_rows(idx_pool, slots, z_q.astype(np.int8))
+    scatter_rows(idx_scale_pool, slots, z_scale)

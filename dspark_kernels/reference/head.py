@@ -16,8 +16,8 @@ import attrs
 import numpy as np
 
 from dspark_abi.config import ModelConfig
+from dspark_kernels.model.numerics import Precision, check_precision, narrow, rms_norm
 from dspark_kernels.reference.hyper_connections import HcWeights, hc_head
-from dspark_kernels.reference.numerics import Precision, check_precision, narrow, rms_norm
 
 
 @attrs.frozen

@@ -1,8 +1,6 @@
-"""Lightning indexer of CSA layers: its key compressor, its queries, scores and top-k selection.
+"""Stage 5 (reference): the lightning indexer of CSA layers: its queries, scores and deterministic top-k selection.
 
-Keys (all group rows): the ratio-4 compressor at ``index_head_dim`` (own weights and state pool), then the
-Hadamard rotation ``z = y @ Hd`` (Sylvester / sqrt(dI)). fp32 stores z exactly (scale 1.0); a2a3 rounds z to
-bf16 (y already bf16, Hd bf16) and stores ``int8q(z)``: int8 row + float32 dequant scale.
+Keys: written by the indexer's key compressor (:func:`dspark_kernels.reference.compressor.compress_index_keys`).
 
 Queries (query rows): ``q = (qr @ indexer.wq_b.T).reshape(T, HI, dI)`` from the attention's normalised
 low-rank query (no per-head norm), RoPE on the last rd dims at the token's position with the
@@ -12,26 +10,31 @@ RoPE, ``bf16(q) @ Hd`` then ``int8q`` per (token, head). Head weights
 
 Score of candidate entry c (the request's own entries ``c < (p + 1) // 4``, through its idx table):
 ``score = k_scale[c] * sum_h w[h] * ReLU(q_scale[h] * <q[h], k[c]>)``; with fp32's unit scales this is
-``sum_h w[h] * ReLU(q[h] . k[c])``. Top-k: :func:`~dspark_kernels.reference.topk.select_topk`.
+``sum_h w[h] * ReLU(q[h] . k[c])``.
+
+Top-k (:func:`select_topk`, deterministic): higher score first; among equal scores, the lower entry index first.
+Entries with score -inf are not candidates (invisible or unmapped) and are never selected; rows with fewer than
+k candidates select all of them and pad with -1. The selection is exact (no approximate partitioning): the k-th
+largest score is found with ``np.partition`` and ties at that threshold are broken by entry index.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import numpy as np
 
-from dspark_abi.layout import KV_PAGE_SIZE, RATIO4_STATE_PAGE_SIZE
-from dspark_kernels.reference.compressor import compress
-from dspark_kernels.reference.numerics import Precision, bf16_round, int8_matmul, int8_quantize, linear, narrow
-from dspark_kernels.reference.paged import gather_rows, request_rows, scatter_rows
-from dspark_kernels.reference.prepared import PreparedWeights
+from dspark_abi.layout import KV_PAGE_SIZE, visible_entries
+from dspark_kernels.model.geometry import INDEX_RATIO
+from dspark_kernels.model.numerics import Precision, int8_matmul, int8_quantize, linear, narrow
+from dspark_kernels.model.plan import Run
+from dspark_kernels.model.prepared import PreparedWeights
+from dspark_kernels.model.rope import apply_rope
+from dspark_kernels.reference.paged import gather_rows, request_rows
 from dspark_kernels.reference.projections import LowRankQuery
-from dspark_kernels.reference.rope import apply_rope
 from dspark_kernels.reference.tiling import request_runs, tiles
-from dspark_kernels.reference.topk import select_topk
 
-#: Indexer compression ratio (entries are the CSA ratio-4 entries).
-INDEX_RATIO = 4
 #: Upper bound of the [T, HI, C] score intermediate per tile, in elements.
 SCORE_TILE_ELEMENTS = 1 << 22
 
@@ -49,31 +52,6 @@ class IndexerQuery:
 
     def rows(self, lo: int, hi: int) -> IndexerQuery:
         return IndexerQuery(self.q[lo:hi], self.q_scale[lo:hi], self.weights[lo:hi])
-
-
-def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
-                        state_table: np.ndarray, state_pool: np.ndarray, idx_slots: np.ndarray,
-                        idx_pool: np.ndarray, idx_scale_pool: np.ndarray, w: PreparedWeights,
-                        cos: np.ndarray, sin: np.ndarray, *, eps: float, precision: Precision) -> None:
-    """Indexer compressor over a TP group's rows; **mutates** the inner state, idx and idx_scale pools.
-
-    x [P, X]; positions, request [P]; state_slots, idx_slots [P] int64 (-1 = no write); state_table [R, w];
-    state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32); idx_scale_pool [rows];
-    cos, sin [P, rd/2] at each row's window start.
-    """
-    if w.idx_compressor is None or w.idx_hadamard is None:
-        raise ValueError("compress_index_keys needs CSA weights (indexer compressor and Hadamard)")
-    b, y = compress(x, positions, request, state_slots, state_table, state_pool, w.idx_compressor, cos, sin,
-                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision)
-    z = y @ w.idx_hadamard                                                            # (B, dI)
-    slots = np.asarray(idx_slots)[b]
-    if precision == "fp32":
-        scatter_rows(idx_pool, slots, z)
-        scatter_rows(idx_scale_pool, slots, np.ones(b.size, dtype=np.float32))
-        return
-    z_q, z_scale = int8_quantize(bf16_round(z))
-    scatter_rows(idx_pool, slots, z_q.astype(np.int8))
-    scatter_rows(idx_scale_pool, slots, z_scale)
 
 
 def index_query(lrq: LowRankQuery, x: np.ndarray, w: PreparedWeights, cos: np.ndarray, sin: np.ndarray,
@@ -102,19 +80,21 @@ def index_scores(query: IndexerQuery, keys: np.ndarray, key_scale: np.ndarray, p
 
 def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarray, idx_table: np.ndarray,
                    idx_pool: np.ndarray, idx_scale_pool: np.ndarray, *, topk: int,
-                   precision: Precision) -> np.ndarray:
+                   precision: Precision, runs: Sequence[Run] | None = None) -> np.ndarray:
     """Top-k compressed entries of every query row, from its own request's visible entries only.
 
     query over T rows; positions, request [T] (-1 padding); idx_table [R, width]; idx_pool [rows, dI];
-    idx_scale_pool [rows]. Returns [T, topk] int32 logical entry indices (descending score, ties by lower
-    index), -1 after ``min(topk, visible)`` entries and on padding rows. Unmapped entries are never chosen.
+    idx_scale_pool [rows]; runs: the rows' request runs (the plan's,
+    :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived from ``request`` when None). Returns
+    [T, topk] int32 logical entry indices (descending score, ties by lower index), -1 after
+    ``min(topk, visible)`` entries and on padding rows. Unmapped entries are never chosen.
     """
     positions = np.asarray(positions, dtype=np.int64)
     out = np.full((positions.size, topk), -1, dtype=np.int32)
-    for start, stop, r in request_runs(request):
+    for start, stop, r in request_runs(request) if runs is None else runs:
         if r < 0:
             continue
-        visible = (positions[start:stop] + 1) // INDEX_RATIO                          # (n,)
+        visible = visible_entries(positions[start:stop], INDEX_RATIO)                 # (n,)
         count = int(visible.max())
         if count == 0:
             continue
@@ -128,3 +108,29 @@ def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarr
             candidate = mapped[None, :] & (np.arange(count)[None, :] < visible[lo - start:hi - start, None])
             out[lo:hi] = select_topk(np.where(candidate, scores, -np.inf), topk)
     return out
+
+
+def select_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    """Top-k entries of each row.
+
+    scores: [T, C] float32, -inf = not a candidate. Returns [T, k] int32: the first ``min(k, candidates)``
+    columns are entry indices in descending score (ties: ascending index), the rest -1.
+    """
+    t, c = scores.shape
+    valid = np.isfinite(scores)                                                       # (T, C)
+    n_valid = valid.sum(axis=1)                                                       # (T,)
+    if c > k:
+        thr = np.partition(np.where(valid, scores, -np.inf), c - k, axis=1)[:, c - k]  # k-th largest, (T,)
+        above = valid & (scores > thr[:, None])
+        at = valid & (scores == thr[:, None])
+        need = np.minimum(k, n_valid) - above.sum(axis=1)                             # ties still to take
+        chosen = above | (at & (np.cumsum(at, axis=1) <= need[:, None]))
+        chosen = np.where((n_valid <= k)[:, None], valid, chosen)
+    else:
+        chosen = valid
+    out = np.full((t, k), -1, dtype=np.int32)
+    rows, cols = np.nonzero(chosen)                                                   # ascending index per row
+    out[rows, (np.cumsum(chosen, axis=1) - 1)[rows, cols]] = cols
+    picked = np.where(out >= 0, scores[np.arange(t)[:, None], np.maximum(out, 0)], -np.inf)  # (T, k)
+    order = np.argsort(-picked, axis=1, kind="stable")  # stable: equal scores keep ascending index
+    return np.take_along_axis(out, order, axis=1)

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 
 from dspark_abi.config import ModelConfig
-from dspark_kernels.reference.numerics import Precision, check_precision, narrow
+from dspark_kernels.model.numerics import Precision, check_precision, narrow
 
 
 @attrs.frozen
@@ -116,7 +116,9 @@ def routed_experts(x: np.ndarray, expert_w: np.ndarray, expert_ids: np.ndarray, 
 
 def shared_expert(x: np.ndarray, weights: MoEWeights, *, precision: Precision = "fp32") -> np.ndarray:
     """The always-on expert (SwiGLU without the clamp): [T, D] -> [T, D] fp32; zeros when there is none."""
-    if weights.shared_w1 is None:
+    if weights.shared_w1 is None or weights.shared_w3 is None or weights.shared_w2 is None:
+        if not (weights.shared_w1 is None and weights.shared_w3 is None and weights.shared_w2 is None):
+            raise ValueError("shared_w1, shared_w2 and shared_w3 must be all set or all None")
         return np.zeros_like(x, dtype=np.float32)
     h = _swiglu(x @ weights.shared_w1.T, x @ weights.shared_w3.T, 0.0)
     return narrow(h, precision) @ weights.shared_w2.T

@@ -1,4 +1,5 @@
-"""Grouped output projection (DeepSeek-V4 ``Attention.forward``; upstream's sparse attention output stage).
+"""Stage 7 (reference): grouped output projection (DeepSeek-V4 ``Attention.forward``; upstream's sparse attention
+output stage).
 
 Heads are split into G = o_groups groups of heads_per_group consecutive heads; group g's concatenated
 outputs ``o_g`` [H*D/G] go through its own ``wo_a[g]`` [Ro, H*D/G] (rows ``g*Ro .. g*Ro+Ro-1`` of
@@ -13,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_kernels.reference.numerics import Precision, bf16_round, int8_matmul, int8_quantize, linear
-from dspark_kernels.reference.prepared import PreparedWeights
+from dspark_kernels.model.numerics import Precision, bf16_round, int8_matmul, int8_quantize, linear
+from dspark_kernels.model.prepared import PreparedWeights
 
 
 def output_projection(o: np.ndarray, w: PreparedWeights, precision: Precision) -> np.ndarray:

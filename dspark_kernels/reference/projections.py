@@ -1,4 +1,5 @@
-"""Query and shared-KV projections of an attention layer (DeepSeek-V4 ``Attention``; upstream's pre-attention stage).
+"""Stage 2 (reference): query and shared-KV projections of an attention layer (DeepSeek-V4 ``Attention``;
+upstream's pre-attention stage).
 
 q path (query rows): ``qr = rms_norm(x @ wq_a.T, q_norm)`` [T, Q];
 ``q = (qr @ wq_b.T).reshape(T, H, D)``, an unweighted per-head RMS norm, RoPE on the last rd dims at the
@@ -14,9 +15,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from dspark_kernels.reference.numerics import Precision, int8_matmul, int8_quantize, linear, narrow, rms_norm
-from dspark_kernels.reference.prepared import PreparedWeights
-from dspark_kernels.reference.rope import apply_rope
+from dspark_kernels.model.numerics import Precision, int8_matmul, int8_quantize, linear, narrow, rms_norm
+from dspark_kernels.model.prepared import PreparedWeights
+from dspark_kernels.model.rope import apply_rope
 
 
 @attrs.frozen(eq=False)

@@ -1,4 +1,5 @@
-"""Sparse attention core: one softmax over a query's window keys and compressed keys, with the sink.
+"""Stage 6 (reference): the sparse attention core, one softmax over a query's window keys and compressed keys,
+with the sink.
 
 For query t and head h, over the key set U_t = window rows (``ori`` pool) + compressed rows (``csa_cmp`` /
 ``hca_cmp`` pool), every key u a D-dim latent used as both key and value:
@@ -21,11 +22,14 @@ Both forms compute the same softmax; only the amount of wasted work differs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from dspark_kernels.reference.numerics import Precision, narrow
+from dspark_kernels.model.numerics import Precision, narrow
+from dspark_kernels.model.plan import Run
+from dspark_kernels.model.rope import apply_rope
 from dspark_kernels.reference.paged import gather_rows
-from dspark_kernels.reference.rope import apply_rope
 from dspark_kernels.reference.tiling import request_runs, tiles
 
 #: Query rows per attention tile.
@@ -83,7 +87,7 @@ def _attend_tile(q: np.ndarray, keys: np.ndarray, member: np.ndarray, own: np.nd
 def sparse_attention(q: np.ndarray, request: np.ndarray, window_rows: np.ndarray, ori_pool: np.ndarray,
                      cmp_rows: np.ndarray | None, cmp_pool: np.ndarray | None, sink: np.ndarray,
                      cos: np.ndarray, sin: np.ndarray, *, scale: float, precision: Precision,
-                     tile: int = ATTENTION_TILE) -> np.ndarray:
+                     tile: int = ATTENTION_TILE, runs: Sequence[Run] | None = None) -> np.ndarray:
     """Attention output o [T, H, D] float32 (bf16 values in a2a3).
 
     q: [T, H, D] float32 queries (RoPE applied); request: [T] (-1 = padding row, output 0);
@@ -91,10 +95,12 @@ def sparse_attention(q: np.ndarray, request: np.ndarray, window_rows: np.ndarray
     cmp_rows: [T, K] int64 physical rows of the compressed pool (-1 = none) or None (SWA layers);
     cmp_pool: [rows, D] or None; sink: [H] float32 per-head sink logit;
     cos, sin: [T, rd/2] RoPE at each query's position (for the inverse rotation of the output).
+    runs: the rows' request runs (the plan's, :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived
+    from ``request`` when None).
     """
     t_all, heads, dim = q.shape
     out = np.zeros((t_all, heads, dim), dtype=np.float32)
-    for start, stop, r in request_runs(request):
+    for start, stop, r in request_runs(request) if runs is None else runs:
         if r < 0:
             continue
         for lo, hi in tiles(start, stop, tile):

@@ -1,4 +1,9 @@
-"""Row tiling helpers: contiguous runs of one request, and fixed-size tiles inside a range."""
+"""Row tiling helpers of the reference stages: fixed-size tiles inside a range, and request runs of bare rows.
+
+The attention hands its stages the runs of its plan (:meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`,
+derived once from ``query_start_loc``); :func:`request_runs` serves a stage called on bare arrays only (a
+test, a benchmark), where no batch exists to take the runs from.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from dspark_kernels.model.plan import Run
 
-def request_runs(request: np.ndarray) -> list[tuple[int, int, int]]:
+
+def request_runs(request: np.ndarray) -> list[Run]:
     """Maximal runs of equal request id: ``[(start, stop, request), ...]`` over ``request`` [T] (-1 included).
 
-    Packed rows of one request are contiguous, so a run is a request's rows inside the given range.
+    Packed rows of one request are contiguous, so a run is a request's rows inside the given range. For stages
+    called without a plan (see the module docstring).
     """
     request = np.asarray(request)
     if request.size == 0:

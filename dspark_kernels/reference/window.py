@@ -1,4 +1,4 @@
-"""Sliding-window key rows: the last ``min(W, p + 1)`` positions of a query's own request.
+"""Stage 3 (reference): sliding-window key rows, the last ``min(W, p + 1)`` positions of a query's own request.
 
 Isolation comes only from using the query's own request's ``ori`` table row with absolute positions;
 causality from keys <= p. Keys of the current chunk were written to the cache before this is read.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_abi.layout import KV_PAGE_SIZE
-from dspark_kernels.reference.paged import NO_ROW, physical_rows
+from dspark_abi.layout import KV_PAGE_SIZE, physical_rows
+from dspark_kernels.reference.paged import NO_ROW
 
 
 def window_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarray, window: int,

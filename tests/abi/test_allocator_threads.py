@@ -202,6 +202,24 @@ def test_table_rows_of_an_unknown_request_is_coded():
     assert (err.value.issues[0].index, err.value.issues[0].count) == (0, 2)
 
 
+def test_table_rows_of_a_plan_are_the_tables_after_its_commit():
+    alloc = BlockAllocator(TINY, PoolBlocks.uniform(64))
+    builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
+    builder.add(0, num_cached=0, num_new=5)
+    builder.build()
+    plan = alloc.plan([0, 1], np.array([5, 0]), np.array([40, 9]))  # request 1 is new in this step
+    planned = alloc.table_rows([0, 1], plan)
+    with pytest.raises(ABIError) as err:
+        alloc.table_rows([1])  # not allocated before the commit
+    assert err.value.codes == {"alloc.unknown_request"}
+    alloc.commit(plan)
+    after = alloc.table_rows([0, 1])
+    assert all(np.array_equal(planned[p], after[p]) for p in POOL_NAMES)
+    with pytest.raises(ABIError) as err:
+        alloc.table_rows([0, 1], plan)  # committed: the plan is stale now
+    assert err.value.codes == {"alloc.stale_plan"}
+
+
 def test_deepcopy_is_an_independent_snapshot_with_its_own_lock():
     import copy
 

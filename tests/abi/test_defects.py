@@ -16,23 +16,26 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, rules, validate
 from dspark_abi.batch import RequestTables
 from dspark_abi.errors import CODES
+from dspark_abi.io.fixtures import encode, encode_raw, read
+from dspark_abi.io.manifest import MANIFEST_KEY, PoolBlockCounts
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.lowering import lower_local_request_ids
-from dspark_abi.manifest import MANIFEST_KEY, PoolBlockCounts
 from dspark_abi.presets import TINY
 from dspark_abi.ranks import merge_rank_arrays, split_rank_arrays
 from dspark_abi.testing import MUTATIONS, mutate
+from dspark_abi.validation import validate_arrays
 
 #: Largest block count of a pool with 32-row pages whose slots all fit int32.
 MAX_KV_BLOCKS = (2**31 - 1) // 32
 
 
-def _batch(tp=2, requests=((3, 126), (4, 30)), blocks=96, token_ids=False):
+def _batch(tp=2, requests=((126, 3), (30, 4)), blocks=96, token_ids=False):
+    """A built batch; ``requests`` are (num_cached, num_new) pairs, the order of ``BatchBuilder.add``."""
     builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), BlockAllocator(TINY, PoolBlocks.uniform(blocks)))
-    for rid, (new, cached) in enumerate(requests):
+    for rid, (cached, new) in enumerate(requests):
         builder.add(rid, num_cached=cached, num_new=new, token_ids=np.arange(new) + 1 if token_ids else None)
     return builder.build()
 
@@ -207,8 +210,6 @@ def test_manifest_bounds_pool_blocks():
 
 
 def test_fixture_with_a_400_digit_pool_is_a_manifest_issue(tmp_path):
-    from dspark_abi.fixtures import encode, encode_raw, read
-
     batch = _batch()
     arrays = batch.to_arrays()
     good = encode(arrays, config=batch.config, policy=batch.policy, pool_blocks=batch.pool_blocks.as_dict())
@@ -320,9 +321,8 @@ def test_validate_reports_bad_pool_mapping_values(value):
 
 @pytest.mark.parametrize("blocks", [None, 96, [96] * 7, "ori"])
 def test_validate_reports_a_pool_argument_that_is_no_mapping(blocks):
-    from dspark_abi.validate import validate_arrays  # validate() itself refuses None as a missing argument
-
     batch = _batch()
+    # validate_arrays, not validate(): validate() itself refuses None as a missing argument
     assert validate_arrays(batch.to_arrays(), TINY, batch.policy, blocks).codes == {"pools.blocks"}
 
 
@@ -401,9 +401,7 @@ def test_oversized_batch_is_told_to_split():
 @pytest.mark.parametrize("code", sorted(MUTATIONS))
 def test_sparse_owner_path_reports_what_the_dense_path_reports(code, monkeypatch):
     """Every single-rule mutation gets the same report when block ownership is kept sparse (huge pools)."""
-    from dspark_abi import rules
-
-    cases = [c for seed in range(3) for c in [mutate(_batch(tp=4, requests=((5, 200), (2, 31), (7, 3))), code, seed),
+    cases = [c for seed in range(3) for c in [mutate(_batch(tp=4, requests=((200, 5), (31, 2), (3, 7))), code, seed),
                                               mutate(_batch(), code, seed)] if c is not None]
     dense = [validate(c.arrays, c.config, c.policy, c.pool_blocks, hidden=c.hidden) for c in cases]
     monkeypatch.setattr(rules, "_dense", lambda n_blocks, n_pages: False)

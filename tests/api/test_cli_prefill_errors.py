@@ -2,7 +2,7 @@
 exit 2 (usage error, unreadable file) or 1 (invalid input, failed run), no traceback, nothing computed or
 written first; the backend reported is the backend that ran; progress shows on and off a terminal.
 
-Everything runs in-process through :func:`dspark_kernels.cli.main`; pypto itself never runs here (a
+Everything runs in-process through :func:`dspark_kernels.cli.app.main`; pypto itself never runs here (a
 recording stand-in replaces its attention entry and computes with the reference in a2a3 numerics).
 """
 
@@ -21,21 +21,25 @@ from safetensors.numpy import save_file
 
 import dspark_kernels.pypto
 from dspark_abi.presets import TINY
-from dspark_kernels import cli
-from dspark_kernels import model_weights as mw
-from dspark_kernels.model_weights import ModelWeights
-from dspark_kernels.reference.attention import attention
+from dspark_kernels.cli import app as cli
+from dspark_kernels.cli import progress
+from dspark_kernels.model import weights as mw
+from dspark_kernels.model.weights import ModelWeights
+from dspark_kernels.reference.attention import attend
 
 #: File the recording attention appends one line per call to (an environment variable reaches rank processes).
 PROBE_ENV = "DSPARK_TEST_ATTENTION_PROBE"
 
 
-def recording_attention(batch, layer, x, weights, caches, *, rank=None, isolate=True):  # type: ignore[no-untyped-def]
-    """Stands in for ``dspark_kernels.pypto.attention_pypto``: records (pid, rank, layer), computes with the
-    reference in the numerics the kernels implement. Module level, so spawned rank processes can unpickle it."""
-    with open(os.environ[PROBE_ENV], "a") as f:
-        f.write(f"{os.getpid()} {rank} {layer}\n")
-    return attention(batch, layer, x, weights, caches, precision="a2a3", rank=rank)
+class RecordingAttention:
+    """Stands in for ``dspark_kernels.pypto.PyptoAttention``: records (pid, rank, layer), computes with the
+    reference in the numerics the kernels implement (the plan and weights are a2a3). Module level, so spawned
+    rank processes can unpickle it."""
+
+    def __call__(self, plan, layer, x, weights, caches):  # type: ignore[no-untyped-def]
+        with open(os.environ[PROBE_ENV], "a") as f:
+            f.write(f"{os.getpid()} {plan.rank} {layer}\n")
+        return attend(plan, layer, x, weights, caches)
 
 
 def invoke(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -67,11 +71,11 @@ def no_compute(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Replace the pypto attention entry by :func:`recording_attention`; returns the record file."""
+    """Replace the pypto attention backend by :class:`RecordingAttention`; returns the record file."""
     path = tmp_path / "attention-calls.txt"
     path.touch()
     monkeypatch.setenv(PROBE_ENV, str(path))
-    monkeypatch.setattr(dspark_kernels.pypto, "attention_pypto", recording_attention)
+    monkeypatch.setattr(dspark_kernels.pypto, "PyptoAttention", RecordingAttention)
     return path
 
 
@@ -197,7 +201,7 @@ def test_pypto_tooling_missing_in_the_kernel_process_names_it(capsys, monkeypatc
     def unavailable(*_args, **_kwargs):  # type: ignore[no-untyped-def]
         raise PyptoUnavailableError("pypto's CPU simulation needs g++ on PATH (apt-get install g++ binutils cmake)")
 
-    monkeypatch.setattr(dspark_kernels.pypto, "attention_pypto", unavailable)
+    monkeypatch.setattr(dspark_kernels.pypto, "PyptoAttention", unavailable)
     code, _, err = invoke(capsys, "--request", "3@0", "--backend", "pypto", "--precision", "a2a3", "--no-progress")
     one_line_error(code, err, 2, "--backend pypto", "apt-get install g++")
 
@@ -268,7 +272,7 @@ def test_pypto_without_a2a3_names_the_flag(capsys, no_compute):
 
 # ---------------------------------------------------------------------------------------------- 7. progress
 def test_progress_lines_off_a_terminal(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.0)
     code, _, err = invoke(capsys, "--request", "3@20")
     assert code == 0, err
     assert "\r" not in err

@@ -9,8 +9,8 @@ from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.presets import FLASH, TINY
 from dspark_kernels.api import prefill
-from dspark_kernels.model_caches import ModelCaches
-from dspark_kernels.model_weights import ModelWeights
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.weights import ModelWeights
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,22 @@ def test_padding_hidden_rows_rejected_and_nothing_written(weights):
         prefill(batch, hidden, weights, caches, layers=[1, 2, 3])
     assert "padding.hidden" in err.value.codes
     _assert_unchanged(caches, before)
+
+
+def test_padding_hidden_check_matches_the_validator(weights):
+    """prefill checks the padding rows of ``hidden`` itself: the validator's issue, and no padding rows at all is
+    fine (regression: the direct check once failed on a batch without padding)."""
+    from dspark_abi import validate
+
+    batch, caches = _setup()
+    hidden = np.zeros((batch.padded_rows, TINY.hidden_size), np.float32)
+    hidden[-1, 0] = 1.0
+    issues = prefill_module._padding_hidden_issues(batch, hidden)
+    assert issues == [i for i in validate(batch, hidden=hidden).issues if i.code == "padding.hidden"]
+    unpadded, caches = _setup(tp=1)
+    assert unpadded.padded_rows == unpadded.num_tokens
+    x = np.random.default_rng(1).standard_normal((unpadded.padded_rows, TINY.hidden_size)).astype(np.float32)
+    assert prefill(unpadded, x, weights, caches, layers=[0]).hidden.shape == x.shape
 
 
 @pytest.mark.parametrize("bad", ["nan_hidden", "wrong_rows", "pad_token", "backend", "layers"])

@@ -8,8 +8,8 @@ from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.presets import TINY
 from dspark_kernels.api import prefill
-from dspark_kernels.model_caches import ModelCaches
-from dspark_kernels.model_weights import ModelWeights
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.weights import ModelWeights
 
 pytestmark = pytest.mark.pypto
 

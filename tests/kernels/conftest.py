@@ -10,7 +10,7 @@ import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks
 from dspark_abi.presets import TINY
-from dspark_kernels.reference import AttentionWeights, LayerCaches
+from dspark_kernels import AttentionWeights, LayerCaches
 
 #: Pool sizes that hold a few TINY requests of a few hundred tokens (state pools hold whole chunks).
 TINY_POOLS = PoolBlocks(ori=96, csa_cmp=16, hca_cmp=8, idx=16, csa_state=1024, csa_inner_state=1024, hca_state=256)

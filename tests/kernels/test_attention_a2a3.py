@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from dspark_abi.presets import TINY
-from dspark_kernels.reference import LayerCaches, attention
+from dspark_kernels import LayerCaches, attention
+from dspark_kernels.model.numerics import narrow
+from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.rope import rope_at
 from dspark_kernels.reference.indexer import index_query, index_scores
-from dspark_kernels.reference.numerics import narrow
 from dspark_kernels.reference.paged import gather_rows, request_rows
 from dspark_kernels.reference.projections import low_rank_query
-from dspark_kernels.reference.rope import rope_at
 
 from .conftest import build, hidden_rows, new_allocator, rel_err, sequence
 
@@ -88,7 +89,7 @@ def test_long_csa_median_row_and_indexer_scores(layer, tiny_weights):
     scores = {}
     for precision in ("fp32", "a2a3"):
         _out, caches, x = res[precision]
-        w = tiny_weights[layer].prepared(precision)
+        w = prepare_weights(tiny_weights[layer], precision)
         xn = narrow(x, precision)
         cos, sin = rope_at(TINY, "csa", pos, precision)
         iq = index_query(low_rank_query(xn, w, TINY.rms_norm_eps, precision), xn, w, cos, sin,

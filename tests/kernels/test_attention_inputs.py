@@ -7,7 +7,7 @@ import pytest
 
 from dspark_abi.errors import ABIError
 from dspark_abi.presets import TINY
-from dspark_kernels.reference import AttentionWeights, LayerCaches, attention
+from dspark_kernels import AttentionWeights, LayerCaches, attention
 
 from .conftest import TINY_POOLS, build, hidden_rows, new_allocator, sequence
 

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from dspark_abi.presets import TINY
-from dspark_kernels.reference import LayerCaches, attention
+from dspark_kernels import LayerCaches, attention
+from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.rope import rope_at
 from dspark_kernels.reference.indexer import index_query, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query
-from dspark_kernels.reference.rope import rope_at
 
 from .conftest import build, hidden_rows, logical_rows, new_allocator, rel_err, sequence
 from .oracle import oracle_attention
@@ -67,7 +68,7 @@ def test_topk_sets_match_oracle(layer, tiny_weights, oracles):
     caches = LayerCaches.allocate(TINY, layer, batch.pool_blocks)
     x = hidden_rows(batch, seqs)
     attention(batch, layer, x, tiny_weights[layer], caches)
-    w = tiny_weights[layer].prepared("fp32")
+    w = prepare_weights(tiny_weights[layer], "fp32")
     pos = batch.positions.astype(np.int64)
     cos, sin = rope_at(TINY, "csa", pos)
     iq = index_query(low_rank_query(x, w, TINY.rms_norm_eps, "fp32"), x, w, cos, sin, TINY.index_n_heads,

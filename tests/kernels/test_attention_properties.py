@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tolerances import attention_reductions, order_rel
 
 from dspark_abi.presets import TINY
-from dspark_kernels.reference import LayerCaches, attention
+from dspark_kernels import LayerCaches, attention
 
 from .conftest import TINY_POOLS, build, clone, hidden_rows, new_allocator, rel_err, sequence, written_by
 

@@ -9,8 +9,9 @@ import pytest
 from tolerances import order_atol
 
 from dspark_abi.errors import ABIError
-from dspark_kernels.reference.compressor import compress, window_start_positions
-from dspark_kernels.reference.prepared import PreparedCompressor
+from dspark_kernels.model.geometry import window_start_positions
+from dspark_kernels.model.prepared import PreparedCompressor
+from dspark_kernels.reference.compressor import compress
 
 from .oracle import compress_sequence
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dspark_kernels.reference.numerics import (
+from dspark_kernels.model.numerics import (
     bf16_round,
     check_precision,
     hadamard,

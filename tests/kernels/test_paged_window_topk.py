@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dspark_kernels.reference.paged import gather_rows, physical_rows, scatter_rows
-from dspark_kernels.reference.topk import select_topk
+from dspark_abi.layout import physical_rows
+from dspark_kernels.reference.indexer import select_topk
+from dspark_kernels.reference.paged import gather_rows, scatter_rows
 from dspark_kernels.reference.window import window_rows
 
 

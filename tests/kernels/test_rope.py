@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from tolerances import EPS32, assert_close
 
 from dspark_abi.presets import DEMO, FLASH, TINY
-from dspark_kernels.reference.numerics import bf16_round
-from dspark_kernels.reference.rope import apply_rope, inverse_frequencies, rope_at, rope_table
+from dspark_kernels.model.numerics import bf16_round
+from dspark_kernels.model.rope import apply_rope, inverse_frequencies, rope_at, rope_table
 
 
 def test_flash_yarn_ramp():

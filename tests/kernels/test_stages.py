@@ -10,10 +10,11 @@ import pytest
 from tolerances import assert_close, bf16_ulp, order_atol
 
 from dspark_abi.presets import TINY
-from dspark_kernels.reference import AttentionWeights
+from dspark_kernels import AttentionWeights
+from dspark_kernels.model.numerics import bf16_round, int8_quantize
+from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.reference import sparse_attention as sparse_attention_module
 from dspark_kernels.reference.indexer import IndexerQuery, index_scores, lightning_topk
-from dspark_kernels.reference.numerics import bf16_round, int8_quantize
 from dspark_kernels.reference.o_proj import output_projection
 from dspark_kernels.reference.projections import LowRankQuery
 from dspark_kernels.reference.sparse_attention import sparse_attention
@@ -136,7 +137,7 @@ def test_sink_only_in_denominator():
 
 @pytest.mark.parametrize("precision", ["fp32", "a2a3"])
 def test_output_projection_against_loop(precision):
-    w = AttentionWeights.random(TINY, 0, seed=5).prepared(precision)
+    w = prepare_weights(AttentionWeights.random(TINY, 0, seed=5), precision)
     o = bf16_round(np.random.default_rng(6).standard_normal((3, 8 * 128), dtype=np.float32))
     got = output_projection(o, w, precision)
     g_n, ro = TINY.o_groups, TINY.o_lora_rank

@@ -8,8 +8,9 @@ import pytest
 
 from dspark_abi.errors import ABIError
 from dspark_abi.presets import FLASH, TINY
-from dspark_kernels.reference import AttentionWeights, LayerCaches
-from dspark_kernels.reference.weights import expected_shapes
+from dspark_kernels import AttentionWeights, LayerCaches
+from dspark_kernels.model.prepared import PreparedWeightsCache
+from dspark_kernels.model.weights import expected_shapes
 
 
 @pytest.mark.parametrize("layer", range(TINY.num_layers))
@@ -65,8 +66,9 @@ def test_random_is_deterministic_and_scaled():
 
 def test_prepared_a2a3_weights():
     w = AttentionWeights.random(TINY, 1, seed=3)
-    p = w.prepared("a2a3")
-    assert w.prepared("a2a3") is p and w.prepared("fp32").wq_b is w.wq_b  # cached per precision
+    cache = PreparedWeightsCache()  # the caller's cache, not the frozen weights'
+    p = cache.get(w, "a2a3")
+    assert cache.get(w, "a2a3") is p and cache.get(w, "fp32").wq_b is w.wq_b  # cached per precision
     assert np.all(np.abs(p.wq_b) <= 127) and np.all(p.wq_b == np.rint(p.wq_b))
     assert p.wq_b_scale.shape == (TINY.num_attention_heads * TINY.head_dim,)
     np.testing.assert_array_equal(p.wq_a.astype(ml_dtypes.bfloat16).astype(np.float32), p.wq_a)

@@ -9,8 +9,8 @@ import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks
 from dspark_abi.presets import TINY
-from dspark_kernels.model_caches import ModelCaches
-from dspark_kernels.model_weights import ModelWeights
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.weights import ModelWeights
 
 #: Physical blocks per pool: enough for every request mix below (~200 tokens per request, 4 requests).
 POOL_BLOCKS = PoolBlocks.uniform(256)

@@ -9,10 +9,10 @@ from tolerances import forward_reductions, order_atol
 
 from dspark_abi import ABIError, PoolBlocks
 from dspark_abi.presets import DEMO, TINY
-from dspark_kernels.forward import run_forward
-from dspark_kernels.model_caches import ModelCaches
-from dspark_kernels.model_weights import ModelWeights
-from dspark_kernels.tp import run_tp_inprocess
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.forward import run_forward
+from dspark_kernels.model.tp import run_tp_inprocess
+from dspark_kernels.model.weights import ModelWeights
 
 from .conftest import Session, tiny_weights
 

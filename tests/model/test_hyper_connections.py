@@ -1,9 +1,11 @@
-"""hc_pre / hc_post / hc_head against per-row loop implementations written straight from the math."""
+"""hc_pre / hc_post / hc_head against per-row loop implementations written straight from the math, and the a2a3
+reduction orders (the A2/A3 cube's) against restatements written here, token by token."""
 
 from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from tolerances import hc_pre_reductions, order_atol
@@ -120,7 +122,107 @@ def test_a2a3_rounds_x_mixed_to_bf16_and_rejects_unknown_precision():
     a = hc_pre(x, w, TINY, precision="a2a3").x_mixed
     bits = a.view(np.uint32)
     assert not (bits & 0xFFFF).any()  # bf16 values: low 16 mantissa bits clear
-    # the same fp32 value rounded to nearest bf16: |error| <= 2**-8 |value| exactly (any machine)
-    np.testing.assert_allclose(a, hc_pre(x, w, TINY).x_mixed, rtol=2**-8)
+    # the fp32 value (another summation order) rounded to nearest bf16: |error| <= 2**-8 |value| + order error
+    f = hc_pre(x, w, TINY).x_mixed
+    np.testing.assert_allclose(a, f, rtol=2**-8, atol=order_atol(f, HC_PRE_K))
     with pytest.raises(ValueError, match="precision"):
         hc_pre(x, w, TINY, precision="fp16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="precision"):
+        hc_post(x[:, 0], x, np.ones((3, hc), np.float32), np.ones((3, hc, hc), np.float32), precision="bf16")
+
+
+@pytest.mark.parametrize("d", [TINY.hidden_size, 100])  # K = 512, and K = 400 (zero-padded to 512 in a2a3)
+def test_a2a3_hc_pre_matches_loop(d):
+    rng = np.random.default_rng(5)
+    hc = TINY.hc_mult
+    w = _weights(rng, (2 + hc) * hc, hc, d, 3)
+    x = rng.standard_normal((5, hc, d)).astype(np.float32)
+    x[4] = 0  # a padding row
+    got = hc_pre(x, w, TINY, precision="a2a3")
+    xm, post, comb = _loop_hc_pre(x, w, hc, TINY.hc_sinkhorn_iters, TINY.hc_eps, TINY.rms_norm_eps)
+    # bf16 rounding (<= 2**-8 relative) of a value carrying the fp32 order error
+    np.testing.assert_allclose(got.x_mixed, xm, rtol=2**-8, atol=order_atol(xm, 2 * hc * d + hc))
+    np.testing.assert_allclose(got.post, post, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got.comb, comb, rtol=RTOL, atol=ATOL)
+    assert not got.x_mixed[4].any()
+
+
+# --- the a2a3 order, restated token by token (independent of the library's vectorized form) -----------------
+
+def _cube_mix(f: np.ndarray, w_row: np.ndarray) -> np.float32:
+    """One mix in the A2/A3 cube order: 4 K slices; in each, one fp32 accumulator that takes 4 consecutive
+    products per rounding (the 4 products and their sum in double precision); slices added in order."""
+    k = f.size
+    slices = []
+    for lo in range(0, k, k // 4):
+        acc = np.float32(0)
+        for g in range(lo, lo + k // 4, 4):
+            acc = np.float32(float(acc) + sum(float(f[g + j]) * float(w_row[g + j]) for j in range(4)))
+        slices.append(acc)
+    return np.float32(np.float32(np.float32(slices[0] + slices[1]) + slices[2]) + slices[3])
+
+
+def _restated_x_mixed(x: np.ndarray, w: HcWeights, *, cube: bool) -> np.ndarray:
+    """a2a3 x_mixed [T, D] with hc = 4 and K a multiple of 512; ``cube=False`` takes the mixes from one fp32
+    BLAS product ``flat @ fn.T`` instead (everything else unchanged)."""
+    t_rows, hc, d = x.shape
+    k = hc * d
+    flat = x.reshape(t_rows, k)
+    one_product = flat @ w.fn.T
+    out = np.zeros((t_rows, d), np.float32)
+    for t in range(t_rows):
+        ssq = np.float32(0)
+        for c0 in range(0, k, 512):  # 512-wide chunks in order, each folded in halves
+            v = flat[t, c0:c0 + 512] * flat[t, c0:c0 + 512]
+            while v.size > 1:
+                v = v[:v.size // 2] + v[v.size // 2:]
+            ssq = np.float32(ssq + v[0])
+        rho = np.float32(1) / np.sqrt(ssq * np.float32(1.0 / k) + np.float32(TINY.rms_norm_eps))
+        mix = np.array([_cube_mix(flat[t], w.fn[h]) if cube else one_product[t, h] for h in range(hc)], np.float32)
+        z = (mix * rho) * w.scale[0] + w.base[:hc]
+        pre = np.float32(1) / (np.exp(-z) + np.float32(1)) + np.float32(TINY.hc_eps)
+        out[t] = (x[t, 0] * pre[0] + x[t, 1] * pre[1]) + (x[t, 2] * pre[2] + x[t, 3] * pre[3])
+    return out.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_a2a3_hc_pre_follows_the_cube_order():
+    """The pinning case: an SWA-like pre-gate scale (2.08) and 64 tokens, where the cube order and one fp32 product
+    round x_mixed differently. Seed 13 was picked by searching seeds 0-29 for the most such elements; measured 5
+    differing elements with OpenBLAS SkylakeX / Sandybridge / Prescott, 2 with Haswell (any order but the cube's
+    gives some), while the a2a3 result equals the restatement bit for bit on every kernel."""
+    rng = np.random.default_rng(13)
+    hc, d = TINY.hc_mult, TINY.hidden_size
+    rows = (2 + hc) * hc
+    w = HcWeights(fn=(rng.standard_normal((rows, hc * d)) * 0.05).astype(np.float32),
+                  scale=np.array([2.08, 0.03, 0.22], np.float32),
+                  base=(rng.standard_normal(rows) * 0.5).astype(np.float32))
+    x = (rng.standard_normal((64, hc, d)) * 0.05).astype(np.float32)
+    got = hc_pre(x, w, TINY, precision="a2a3").x_mixed
+    cube = _restated_x_mixed(x, w, cube=True)
+    one_product = _restated_x_mixed(x, w, cube=False)
+    np.testing.assert_array_equal(got, cube)
+    assert (cube != one_product).sum() >= 1
+    assert (got != one_product).any()
+
+
+def test_a2a3_hc_post_adds_in_kernel_order():
+    rng = np.random.default_rng(6)
+    hc, d, t = 4, 16, 3
+    out = rng.standard_normal((t, d)).astype(np.float32)
+    x = rng.standard_normal((t, hc, d)).astype(np.float32)
+    post = rng.random((t, hc)).astype(np.float32)
+    comb = rng.random((t, hc, hc)).astype(np.float32)
+    out[2] = 0
+    x[2] = 0
+    got = hc_post(out, x, post, comb, precision="a2a3")
+    want = np.zeros((t, hc, d), np.float32)
+    for r in range(t):
+        for o in range(hc):
+            y = out[r] * post[r, o]
+            for i in range(hc):
+                y = y + x[r, i] * comb[r, i, o]
+            want[r, o] = y
+    np.testing.assert_array_equal(got, want)
+    fp32 = hc_post(out, x, post, comb)
+    np.testing.assert_allclose(got, fp32, rtol=0, atol=order_atol(fp32, hc + 1))
+    assert not got[2].any()

@@ -10,8 +10,8 @@ from safetensors.numpy import save_file
 
 from dspark_abi import ABIError, PoolBlocks
 from dspark_abi.presets import TINY
-from dspark_kernels.forward import run_forward
-from dspark_kernels.model_caches import ModelCaches
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.forward import run_forward
 
 from .conftest import Session
 

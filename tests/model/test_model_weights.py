@@ -12,8 +12,8 @@ from safetensors.numpy import save_file
 
 from dspark_abi import ABIError
 from dspark_abi.presets import TINY
-from dspark_kernels import model_weights as mw
-from dspark_kernels.model_weights import ModelWeights, weight_specs
+from dspark_kernels.model import weights as mw
+from dspark_kernels.model.weights import ModelWeights, weight_specs
 
 
 def test_names_follow_deepseek_v4():
@@ -135,7 +135,7 @@ def test_weight_memory_estimate_matches_the_materialised_model():
 def test_cache_memory_estimate_matches_the_allocation():
     from dspark_abi.allocator import pool_blocks_for
     from dspark_kernels import memory
-    from dspark_kernels.model_caches import ModelCaches
+    from dspark_kernels.model.caches import ModelCaches
 
     blocks = pool_blocks_for(TINY, [300, 40])
     for precision in ("fp32", "a2a3"):

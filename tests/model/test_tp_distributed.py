@@ -16,8 +16,8 @@ from tolerances import forward_reductions, order_atol
 
 from dspark_abi import ABIError
 from dspark_abi.presets import TINY
-from dspark_kernels.forward import run_forward
-from dspark_kernels.tp import DistributedJob, launch, run_tp_inprocess
+from dspark_kernels.model.forward import run_forward
+from dspark_kernels.model.tp import DistributedJob, launch, run_tp_inprocess
 
 from .conftest import Session
 
@@ -58,8 +58,8 @@ def test_two_process_gloo_equals_single_process():
 
 
 def test_torch_is_not_imported_by_the_forward_modules():
-    code = ("import sys; import dspark_kernels.tp, dspark_kernels.forward, dspark_kernels.model_weights, "
-            "dspark_kernels.model_caches; sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = ("import sys; import dspark_kernels.model.tp, dspark_kernels.model.forward, dspark_kernels.model.weights, "
+            "dspark_kernels.model.caches; sys.exit(1 if 'torch' in sys.modules else 0)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
 

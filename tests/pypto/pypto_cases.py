@@ -34,7 +34,7 @@ def scatter_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list
 
 def window_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]) -> list[np.ndarray]:
     """Window rows for each (positions, request_ids, ori_table, window)."""
-    from dspark_kernels.pypto.paged import run_window
+    from dspark_kernels.pypto.window import run_window
 
     return [run_window(*case).values[-1] for case in cases]
 
@@ -69,7 +69,7 @@ def sparse_attention_many(cases: list[tuple]) -> list[np.ndarray]:
 
 def entry_rows_many(cases: list[tuple]) -> list[np.ndarray]:
     """Per (positions, request_ids, table, entries or None, ratio, columns): physical rows [T, K] int32."""
-    from dspark_kernels.pypto.paged import run_entry_rows
+    from dspark_kernels.pypto.entry_rows import run_entry_rows
 
     return [run_entry_rows(pos, req, table, entries, ratio=ratio, columns=columns).values[-1]
             for pos, req, table, entries, ratio, columns in cases]
@@ -92,8 +92,8 @@ def compress_many(cases: list[tuple]) -> list[tuple]:
 def indexer_many(cases: list[tuple]) -> list[np.ndarray]:
     """Per (positions, request, idx_table, lrq_q, lrq_scale, prepared weights, x, cos, sin, idx, idx_scale, heads,
     topk, weight_scale, rounds): candidates through the entry-rows kernel, then the indexer's top-k [T, k]."""
+    from dspark_kernels.pypto.entry_rows import run_entry_rows
     from dspark_kernels.pypto.indexer import run_indexer
-    from dspark_kernels.pypto.paged import run_entry_rows
 
     out = []
     for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale, rounds in cases:

@@ -9,8 +9,8 @@ import numpy as np
 
 from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
 from dspark_abi.presets import TINY
-from dspark_kernels.reference.caches import LayerCaches
-from dspark_kernels.reference.numerics import bf16_round
+from dspark_kernels.model.caches import LayerCaches
+from dspark_kernels.model.numerics import bf16_round
 
 CONFIG = TINY
 SEED = 20261130
@@ -61,8 +61,8 @@ def attention_core_inputs(batch, layer: int, rank: int, seed: int, key_tile: int
     Keys are random bf16 pools; CSA rows pick a random ``min(topk, visible)`` subset of their request's
     visible entries (a top-k shaped selection, -1 after it); HCA rows use every visible entry.
     """
-    from dspark_kernels.reference.paged import physical_rows
-    from dspark_kernels.reference.rope import rope_at
+    from dspark_abi.layout import physical_rows
+    from dspark_kernels.model.rope import rope_at
     from dspark_kernels.reference.window import window_rows
 
     rng = np.random.default_rng([seed, layer, rank])

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from pypto_fixtures import CONFIG, SEED, compressor_batch, hidden_rows, random_history
 
+from dspark_kernels.model.caches import LayerCaches
+from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto import attention_pypto
 from dspark_kernels.reference.attention import attention
-from dspark_kernels.reference.caches import LayerCaches
-from dspark_kernels.reference.weights import AttentionWeights
 
 pytestmark = pytest.mark.pypto
 

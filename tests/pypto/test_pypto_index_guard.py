@@ -60,23 +60,23 @@ def _no_kernels(monkeypatch, module, *factories):
 
 
 def test_window_launcher_refuses_before_launch(monkeypatch):
-    paged = pytest.importorskip("dspark_kernels.pypto.paged")
-    _no_kernels(monkeypatch, paged, "window_kernel")
+    window = pytest.importorskip("dspark_kernels.pypto.window")
+    _no_kernels(monkeypatch, window, "window_kernel")
     with pytest.raises(ABIError) as err:
-        paged.run_window(np.array([0, 1]), np.array([0, 0]), _table(), window=16)
+        window.run_window(np.array([0, 1]), np.array([0, 0]), _table(), window=16)
     assert err.value.codes == {"kernel.index_range"}
     assert err.value.issues[0].field == "ori_block_table"
 
 
 def test_entry_rows_launcher_refuses_before_launch(monkeypatch):
-    paged = pytest.importorskip("dspark_kernels.pypto.paged")
-    _no_kernels(monkeypatch, paged, "entry_rows_kernel")
+    entry_rows = pytest.importorskip("dspark_kernels.pypto.entry_rows")
+    _no_kernels(monkeypatch, entry_rows, "entry_rows_kernel")
     with pytest.raises(ABIError) as err:
-        paged.run_entry_rows(np.array([7, 8]), np.array([0, 1]), _table(), np.zeros((2, 8), np.int32))
+        entry_rows.run_entry_rows(np.array([7, 8]), np.array([0, 1]), _table(), np.zeros((2, 8), np.int32))
     assert err.value.codes == {"kernel.index_range"}
     wide = np.full((2049, WIDTH), -1, np.int32)  # request 2049 of an 8192-wide table
     with pytest.raises(ABIError) as err:
-        paged.run_entry_rows(np.array([7]), np.array([2048]), wide, None, ratio=128, columns=8)
+        entry_rows.run_entry_rows(np.array([7]), np.array([2048]), wide, None, ratio=128, columns=8)
     assert err.value.codes == {"kernel.index_range"} and err.value.issues[0].actual == 2049
 
 

@@ -12,13 +12,14 @@ import pypto_cases
 import pytest
 from pypto_fixtures import CONFIG, SEED, assert_topk_sets_match, hidden_rows, long_batch, random_history
 
+from dspark_abi.layout import physical_rows
+from dspark_kernels.model.caches import LayerCaches
+from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.rope import rope_at
+from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
-from dspark_kernels.reference.caches import LayerCaches
 from dspark_kernels.reference.indexer import index_query, index_scores, lightning_topk
-from dspark_kernels.reference.paged import physical_rows
 from dspark_kernels.reference.projections import low_rank_query
-from dspark_kernels.reference.rope import rope_at
-from dspark_kernels.reference.weights import AttentionWeights
 
 pytestmark = pytest.mark.pypto
 LAYER = 1  # CSA
@@ -37,7 +38,7 @@ def _reference_scores(iq, positions, request, table, caches) -> np.ndarray:
 
 def test_lightning_topk_matches_reference_as_sets():
     batch = long_batch()
-    w = AttentionWeights.random(CONFIG, LAYER, seed=SEED).prepared("a2a3")
+    w = prepare_weights(AttentionWeights.random(CONFIG, LAYER, seed=SEED), "a2a3")
     caches = LayerCaches.allocate(CONFIG, LAYER, batch.pool_blocks, precision="a2a3")
     random_history(caches, np.random.default_rng(SEED))
     x_all = hidden_rows(batch)

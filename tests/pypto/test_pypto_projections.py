@@ -12,12 +12,13 @@ import pypto_cases
 import pytest
 from pypto_fixtures import CONFIG, SEED, hidden_rows, packed_batch
 
+from dspark_kernels.model.numerics import bf16_round
+from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.rope import rope_at
+from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
-from dspark_kernels.reference.numerics import bf16_round
 from dspark_kernels.reference.o_proj import output_projection
 from dspark_kernels.reference.projections import low_rank_query, query_heads, shared_kv
-from dspark_kernels.reference.rope import rope_at
-from dspark_kernels.reference.weights import AttentionWeights
 
 pytestmark = pytest.mark.pypto
 
@@ -42,7 +43,7 @@ def _close_bf16(got: np.ndarray, want: np.ndarray, name: str) -> None:
 def test_q_and_kv_projections_match_reference(kind_layer):
     kind, layer = kind_layer
     batch = packed_batch()
-    w = AttentionWeights.random(CONFIG, layer, seed=SEED).prepared("a2a3")
+    w = prepare_weights(AttentionWeights.random(CONFIG, layer, seed=SEED), "a2a3")
     x = hidden_rows(batch)
     eps = CONFIG.rms_norm_eps
     cos_full, sin_full = rope_at(CONFIG, kind, batch.positions, "a2a3")
@@ -70,7 +71,7 @@ def test_grouped_o_proj_matches_reference():
     heads_dim = CONFIG.num_attention_heads * CONFIG.head_dim
     cases, expected = [], []
     for seed in (SEED, SEED + 1):
-        w = AttentionWeights.random(CONFIG, 0, seed=seed).prepared("a2a3")
+        w = prepare_weights(AttentionWeights.random(CONFIG, 0, seed=seed), "a2a3")
         attn = bf16_round(rng.standard_normal((batch.local_rows, heads_dim)).astype(np.float32))
         attn[batch.rank(1).local_request_ids < 0] = 0  # a padding row
         cases.append((attn, w))

@@ -17,8 +17,8 @@ import pypto_cases
 import pytest
 from pypto_fixtures import SEED, attention_core_inputs, long_batch, packed_batch
 
+from dspark_abi.layout import physical_rows
 from dspark_kernels.pypto.isolate import run_isolated
-from dspark_kernels.reference.paged import physical_rows
 from dspark_kernels.reference.sparse_attention import sparse_attention
 
 pytestmark = pytest.mark.pypto

@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
-from dspark_abi import cli, conformance
+from dspark_abi import cli
+from dspark_abi.cli.common import parse_request
+from dspark_abi.conformance import runner
 
 from .conftest import VECTORS, index_entries
 from .test_fixtures import with_tensor
@@ -77,9 +79,9 @@ def test_bad_request_says_what_is_wrong(capsys, request_text, says):
 def test_parse_request_keeps_its_contract():
     import argparse
 
-    assert cli.parse_request(" 3@126 ") == (3, 126)
+    assert parse_request(" 3@126 ") == (3, 126)
     with pytest.raises(argparse.ArgumentTypeError, match="cached tokens"):
-        cli.parse_request("3@-1")
+        parse_request("3@-1")
 
 
 @pytest.mark.parametrize("request_text", ["3@99999999999", "3@99999999999999999999", "100000000000000000000@0"])
@@ -225,7 +227,7 @@ def test_directory_is_unreadable_with_the_actual_fix(capsys, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- conformance
 def test_conformance_without_a_directory_uses_the_shipped_vectors(capsys):
-    assert conformance.default_vectors_dir() == VECTORS  # a checkout: spec/v1/vectors
+    assert runner.default_vectors_dir() == VECTORS  # a checkout: spec/v1/vectors
     code, out, _ = run(capsys, "conformance")
     n = len(index_entries())
     assert code == 0 and out.splitlines()[-1] == f"{n} vectors: {n} passed, 0 failed"
@@ -235,12 +237,12 @@ def test_packaged_vectors_are_preferred(monkeypatch, tmp_path):
     shipped = tmp_path / "dspark_abi" / "spec_v1" / "vectors"
     shipped.mkdir(parents=True)
     (shipped / "index.json").write_text(json.dumps({"vectors": []}))
-    monkeypatch.setattr(conformance, "_package_root", lambda: tmp_path / "dspark_abi")
-    assert conformance.default_vectors_dir() == shipped
+    monkeypatch.setattr(runner, "_package_root", lambda: tmp_path / "dspark_abi")
+    assert runner.default_vectors_dir() == shipped
 
 
 def test_conformance_without_any_vectors_says_to_pass_a_directory(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(conformance, "_package_root", lambda: tmp_path / "site-packages" / "dspark_abi")
+    monkeypatch.setattr(runner, "_package_root", lambda: tmp_path / "site-packages" / "dspark_abi")
     code, out, err = run(capsys, "conformance")
     assert code == 2 and out == "" and "DIR" in one_line(err)
 

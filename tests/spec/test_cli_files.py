@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from dspark_abi import cli, conformance
+from dspark_abi import cli
+from dspark_abi.cli.files import format_table
+from dspark_abi.conformance import runner
 
 from .conftest import VECTORS, entries_of, index_entries, run_cli, snapshot
 
@@ -116,12 +118,12 @@ SUBSET = ["valid/ragged2_tp2.safetensors", "invalid/writes_duplicate.safetensors
 def test_external_implementation_protocol(tmp_path):
     root = _subset(tmp_path, SUBSET)
     ours = f"{sys.executable} -m dspark_abi.cli validate --json {{path}}"
-    rows = conformance.run(root, command=ours)
-    assert [r.passed for r in rows] == [True, True, True], conformance.format_table(rows)
+    rows = runner.run(root, command=ours)
+    assert [r.passed for r in rows] == [True, True, True], format_table(rows)
     lazy = f"{sys.executable} -c \"print('{{\\\"status\\\": \\\"valid\\\", \\\"issues\\\": []}}')\""
-    rows = conformance.run(root, command=lazy)  # always says valid (path appended, ignored)
+    rows = runner.run(root, command=lazy)  # always says valid (path appended, ignored)
     assert [r.passed for r in rows] == [True, False, False]
-    rows = conformance.run(root, command=f"{sys.executable} -c \"print('not json')\"")
+    rows = runner.run(root, command=f"{sys.executable} -c \"print('not json')\"")
     assert not any(r.passed for r in rows) and all("protocol JSON" in r.detail for r in rows)
     exit_lies = f"{sys.executable} -c \"print('{{\\\"status\\\": \\\"invalid\\\", \\\"issues\\\": []}}')\""
-    assert "exit code 0 does not match" in conformance.run(root, command=exit_lies)[0].detail
+    assert "exit code 0 does not match" in runner.run(root, command=exit_lies)[0].detail

@@ -11,8 +11,9 @@ import pytest
 import safetensors.numpy
 from hypothesis import given
 
-from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks, fixtures
-from dspark_abi.manifest import MANIFEST_KEY, Expectation
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
+from dspark_abi.io import fixtures
+from dspark_abi.io.manifest import MANIFEST_KEY, Expectation
 from dspark_abi.presets import DEMO, TINY
 from dspark_abi.testing import packed_batches
 

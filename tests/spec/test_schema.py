@@ -3,8 +3,8 @@
 import json
 
 from dspark_abi import ABI_VERSION, CODES, ModelConfig
-from dspark_abi import schema as schema_mod
-from dspark_abi.manifest import FORMAT_VERSION, SUPPORTED_VERSIONS
+from dspark_abi.io import schema as schema_mod
+from dspark_abi.io.manifest import FORMAT_VERSION, SUPPORTED_VERSIONS
 
 from .conftest import SPEC
 
@@ -12,7 +12,7 @@ SCHEMA = SPEC / "abi.schema.json"
 
 
 def test_committed_schema_is_up_to_date():
-    assert SCHEMA.read_text() == schema_mod.render(), "regenerate with: python -m dspark_abi.schema"
+    assert SCHEMA.read_text() == schema_mod.render(), "regenerate with: python -m dspark_abi.io.schema"
     assert schema_mod.main([str(SCHEMA), "--check"]) == 0
 
 

@@ -5,7 +5,10 @@ import shutil
 
 import pytest
 
-from dspark_abi import CODES, conformance, fixtures, vectors
+from dspark_abi import CODES
+from dspark_abi.cli.files import format_table
+from dspark_abi.conformance import runner, vectors
+from dspark_abi.io import fixtures
 
 from .conftest import SPEC, VECTORS, entries_of, index_entries
 
@@ -18,7 +21,7 @@ MAX_VECTOR_BYTES = 10 * 2**20
 
 
 def test_committed_vectors_have_not_drifted():
-    assert vectors.check(VECTORS) == [], "regenerate with: python -m dspark_abi.vectors spec/v1/vectors"
+    assert vectors.check(VECTORS) == [], "regenerate with: python -m dspark_abi.conformance.vectors spec/v1/vectors"
 
 
 def test_generation_is_deterministic(tmp_path):
@@ -45,9 +48,9 @@ def test_check_reports_changed_missing_and_stale_files(tmp_path):
 
 
 def test_every_vector_passes_conformance():
-    rows = conformance.run(VECTORS)
+    rows = runner.run(VECTORS)
     failed = [r for r in rows if not r.passed]
-    assert not failed, conformance.format_table(failed)
+    assert not failed, format_table(failed)
     assert len(rows) == len(index_entries())
 
 
@@ -56,7 +59,7 @@ def test_conformance_detects_a_wrong_expectation(tmp_path):
     shutil.copytree(VECTORS, copy)
     index = (copy / "index.json").read_text()
     (copy / "index.json").write_text(index.replace('"qsl.start"', '"qsl.non_monotonic"', 1))
-    rows = {r.file: r for r in conformance.run(copy)}
+    rows = {r.file: r for r in runner.run(copy)}
     bad = rows["invalid/qsl_start.safetensors"]
     assert not bad.passed and bad.detail == "manifest expectation differs from the index"
     assert sum(not r.passed for r in rows.values()) == 1

@@ -1,0 +1,132 @@
+"""What both command-line programs share (``dspark-abi`` here, ``dspark`` in dspark_kernels).
+
+One-line errors (:class:`Parser`, :class:`UsageError`, :class:`CommandError`, :func:`run_cli`), the argument
+types (:func:`parse_request`, :func:`int_in`, :func:`tp_size`), the output-path check run before any work
+(:func:`check_output`) and :func:`printable`, which escapes text from files and paths before it is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from dspark_abi.errors import ABIError
+from dspark_abi.policy import PaddingPolicy
+
+
+def printable(text: object) -> str:
+    """``str(text)`` safe to print as part of one terminal line.
+
+    Characters that are not printable (control characters such as ESC of ANSI sequences, line breaks,
+    lone surrogates, which cannot even be encoded) are shown as Python escapes: ``\\x1b``, ``\\n``, ``\\ud800``.
+    """
+    s = str(text)
+    return s if s.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in s)
+
+
+class CommandError(Exception):
+    """A failed run with a one-line reason (printed as ``prog: error: reason``): exit 1."""
+
+    exit_code = 1
+
+
+class UsageError(CommandError):
+    """A command-line mistake found after parsing (e.g. an output directory that does not exist): exit 2."""
+
+    exit_code = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``prog: error: what is wrong (see prog --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
+
+
+def parse_request(text: str) -> tuple[int, int]:
+    """'TOKENS@CACHED' -> (new tokens, cached tokens), both non-negative integers (the order of the text)."""
+    example = "TOKENS@CACHED, e.g. 3@126"
+    parts = text.strip().split("@")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"request {text!r} must look like {example}")
+    values = []
+    for what, part in zip(("new tokens", "cached tokens"), parts, strict=True):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()):
+            raise argparse.ArgumentTypeError(f"request {text!r}: {what} must be a non-negative integer, got "
+                                             f"{part!r} ({example})")
+        values.append(int(part))
+    return values[0], values[1]
+
+
+def int_in(text: str, lo: int, hi: int, what: str) -> int:
+    """``text`` as an integer in ``[lo, hi]``, else :class:`argparse.ArgumentTypeError` naming ``what``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{what} must be an integer in [{lo}, {hi}], got {text!r}")
+    return value
+
+
+def tp_size(text: str) -> int:
+    """--tp: PaddingPolicy's bounds on tp_size (a TP larger than the tokens is fine: idle ranks get padding)."""
+    bounds = {k: getattr(m, k) for m in PaddingPolicy.model_fields["tp_size"].metadata for k in ("ge", "le")
+              if hasattr(m, k)}
+    return int_in(text, bounds["ge"], bounds["le"], "TP size")
+
+
+def check_output(option: str, path: str | None, example: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done (:class:`UsageError`).
+
+    ``path`` must name a file (not a directory; ``example`` is the file name suggested inside one) in an
+    existing directory this process may create files in.
+    """
+    if path is None:
+        return
+    target = Path(path)
+    parent = target.parent
+    shown = printable(path)
+    if target.is_dir():
+        raise UsageError(f"{option} {shown}: is a directory; give a file name inside it, e.g. "
+                         f"{printable(target / example)}")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"{option} {shown}: directory {printable(parent)} {what}; create it first (mkdir -p "
+                         f"{printable(parent)}) or write somewhere else")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {shown}: directory {printable(parent)} is not writable; write somewhere else")
+
+
+def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse and run the chosen subcommand (``args.func(args)``); returns the exit code instead of raising.
+
+    Usage errors exit 2 (argparse's own, :class:`UsageError`), ABI errors and :class:`CommandError` exit 1,
+    each as ``prog: error: ...`` on stderr (ABI errors: one line per issue); Ctrl-C exits 130.
+    """
+    if hasattr(signal, "SIGPIPE"):  # `dspark... | head` ends quietly, like other command-line tools
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error it already printed (2)
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    try:
+        return int(args.func(args))
+    except ABIError as exc:
+        issues = [printable(i) for i in exc.issues]
+        head = issues[0] if len(issues) == 1 else f"{len(issues)} ABI issues:"
+        print("\n".join([f"{parser.prog}: error: {head}", *(f"  - {i}" for i in issues if len(issues) > 1)]),
+              file=sys.stderr)
+        return 1
+    except CommandError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130

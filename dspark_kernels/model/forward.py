@@ -1,0 +1,150 @@
+"""Multi-layer forward over a packed batch: embedding, the config's layer schedule, hc_head, final norm, LM head.
+
+``run_forward`` does not validate the batch (``dspark_kernels.prefill`` does that first); it does check,
+before anything is read or written, that weights, caches, input rows, layers, logit rows and the rank fit the batch.
+It then derives the batch's :class:`~dspark_kernels.model.plan.BatchPlan` once (for its rank) and runs every layer
+on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+
+from dspark_abi import ABIError, Issue, PackedBatch
+from dspark_kernels.model.backends import AttentionBackend
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.layer import AllGather, run_layer
+from dspark_kernels.model.numerics import check_precision
+from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.prepared import PreparedWeightsCache
+from dspark_kernels.model.weights import ModelWeights
+from dspark_kernels.reference.attention import attend
+from dspark_kernels.reference.head import final_hidden, greedy, logits_for_rows, vocab_shard
+
+
+@attrs.frozen(eq=False)
+class ForwardResult:
+    """What a forward returns (every rank of a TP group returns the same values).
+
+    x_hc: [P, hc, D] fp32, residual streams after the last layer run (input of a following layer range).
+    hidden: [P, D] fp32, ``rms(hc_head(x_hc), norm)`` (bf16 values in a2a3 mode); padding rows zero.
+    logit_rows: [M] int32, group rows the logits belong to; -1 = inactive.
+    logits: [M, V] fp32; zero rows where inactive.
+    sampled: [M] int64, greedy next token (first maximum); -1 where inactive.
+    """
+
+    x_hc: np.ndarray
+    hidden: np.ndarray
+    logit_rows: np.ndarray
+    logits: np.ndarray
+    sampled: np.ndarray
+
+
+def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
+                precision: str = "fp32", layers: Sequence[int] | None = None,
+                logit_rows: Sequence[int] | np.ndarray | None = None, rank: int | None = None,
+                all_gather: AllGather | None = None, attention: AttentionBackend | None = None,
+                prepared: PreparedWeightsCache | None = None,
+                on_layer: Callable[[int, int], None] | None = None) -> ForwardResult:
+    """Run ``layers`` (default: every layer of the config, in order) and the head.
+
+    hidden_or_token_ids: [P] int token ids (embedded; padding rows zeroed), or [P, hc, D] / [P, D] fp32 hidden
+    rows (a [P, D] input is copied to every stream); padding rows must be zero (not checked here).
+    Token ids for hash layers come from an int input, else from ``batch.token_ids``.
+    logit_rows: [M] group rows in [0, N) or -1; default ``batch.logit_rows`` (none if that is None).
+    rank / all_gather: one rank's view of a TP group (see :func:`dspark_kernels.model.layer.run_layer`); the LM head is
+    then split by vocabulary and its shards gathered too. on_layer(done, total) is called after each layer.
+    attention: the :class:`~dspark_kernels.model.backends.AttentionBackend` of every layer (default the numpy
+    reference). prepared: the caller's cache of prepared attention weights, to reuse them across calls (default:
+    one for this call, kept only if ``weights`` keep their layers).
+    Caches are written in place. Raises :class:`ABIError` (nothing touched) when anything does not fit.
+    """
+    prec = check_precision(precision)
+    cfg = batch.config
+    run = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
+    wanted = batch.logit_rows if logit_rows is None else logit_rows
+    rows = np.zeros(0, np.int64) if wanted is None else np.asarray(wanted, dtype=np.int64).reshape(-1)
+    inputs = np.asarray(hidden_or_token_ids)
+    token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else batch.token_ids
+    _check(batch, inputs, token_ids, weights, caches, prec, run, rows, rank, all_gather)
+    plan = BatchPlan.build(batch, rank=rank, precision=prec)
+    backend = attend if attention is None else attention
+    cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
+
+    if inputs.dtype.kind in "iu":
+        x_hc = np.repeat(weights.embed()[inputs.astype(np.int64)][:, None, :], cfg.hc_mult, axis=1)
+        x_hc[plan.request < 0] = 0.0  # padding rows carry zero hidden state
+    elif inputs.ndim == 2:
+        x_hc = np.repeat(inputs.astype(np.float32)[:, None, :], cfg.hc_mult, axis=1)
+    else:
+        x_hc = np.array(inputs, dtype=np.float32)
+    for done, i in enumerate(run, start=1):
+        x_hc = run_layer(plan, i, x_hc, weights.layer(i), caches[i], token_ids=token_ids, all_gather=all_gather,
+                         attention=backend, prepared=cache)
+        if on_layer is not None:
+            on_layer(done, len(run))
+
+    head = weights.head()
+    hidden = final_hidden(x_hc, head, cfg, precision=prec)
+    if plan.rank is None or batch.tp_size == 1:
+        logits = logits_for_rows(hidden, rows, head.head)
+    else:  # vocabulary shards, padded to equal width with -inf, gathered along the vocabulary
+        assert all_gather is not None  # _check: a rank view of a TP group has one
+        width = -(-cfg.vocab_size // batch.tp_size)
+        shard = np.full((rows.size, width), -np.inf, dtype=np.float32)
+        part = logits_for_rows(hidden, rows, head.head[vocab_shard(cfg.vocab_size, batch.tp_size, plan.rank)])
+        shard[:, : part.shape[1]] = part
+        logits = np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, : cfg.vocab_size])
+    return ForwardResult(x_hc=x_hc, hidden=hidden, logit_rows=rows.astype(np.int32), logits=logits,
+                         sampled=greedy(logits, rows))
+
+
+def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,
+           caches: ModelCaches, precision: str, run: list[int], rows: np.ndarray, rank: int | None,
+           all_gather: AllGather | None) -> None:
+    cfg, p = batch.config, batch.padded_rows
+    issues: list[Issue] = []
+    if weights.config != cfg:
+        issues.append(Issue("config.mismatch", "weights.config", "weights belong to another config",
+                            expected=cfg.name, actual=weights.config.name))
+    bad = [i for i in run if not 0 <= i < cfg.num_layers]
+    if bad or len(set(run)) != len(run):
+        issues.append(Issue("config.mismatch", "layers", "layers must be distinct indices of the config's schedule",
+                            expected=f"distinct values in [0, {cfg.num_layers})", actual=run))
+    elif not isinstance(caches, ModelCaches):
+        issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",
+                            expected="ModelCaches", actual=type(caches).__name__))
+    else:
+        issues += caches.issues_for(batch, precision, run)
+    hc, d = cfg.hc_mult, cfg.hidden_size
+    if inputs.dtype.kind in "iu":
+        if inputs.shape != (p,):
+            issues.append(Issue("geometry.rows", "token_ids", "token ids need one entry per group row",
+                                expected=[p], actual=list(inputs.shape)))
+        elif inputs.size and (inputs.min() < 0 or inputs.max() >= cfg.vocab_size):
+            issues.append(Issue("token_ids.range", "token_ids", "token ids must be vocabulary ids",
+                                expected=f"[0, {cfg.vocab_size})", actual=[int(inputs.min()), int(inputs.max())]))
+    elif inputs.dtype.kind != "f":
+        issues.append(Issue("array.dtype", "hidden", "hidden rows must be float (or token ids int)",
+                            expected="float32", actual=str(inputs.dtype)))
+    elif inputs.shape not in ((p, hc, d), (p, d)):
+        issues.append(Issue("geometry.rows" if inputs.shape[:1] != (p,) else "array.shape", "hidden",
+                            "hidden rows must be [P, hc, D] or [P, D]", expected=[p, hc, d], actual=list(inputs.shape)))
+    if token_ids is None and any(i < cfg.moe.num_hash_layers for i in run):
+        issues.append(Issue("array.missing", "token_ids", "hash-routed layers need token ids",
+                            expected=f"[{p}] int", actual="None"))
+    if rows.size and (rows.min() < -1 or rows.max() >= batch.num_tokens):
+        issues.append(Issue("logits.range", "logit_rows", "logit rows must be live rows or -1",
+                            expected=f"-1 or [0, {batch.num_tokens})", actual=rows.tolist()))
+    if rank is not None:
+        if not 0 <= rank < batch.tp_size:
+            issues.append(Issue("rank.index", "rank", f"rank outside the TP-{batch.tp_size} group",
+                                expected=f"[0, {batch.tp_size})", actual=rank))
+        elif batch.tp_size > 1 and all_gather is None:
+            issues.append(Issue("rank.index", "all_gather", "a rank view of a TP group needs an all_gather",
+                                expected="a collective", actual=None))
+    if issues:
+        raise ABIError(issues)

@@ -1,0 +1,126 @@
+"""Numeric building blocks shared by every stage and the model layer: precision modes, bf16 rounding, int8
+quantisation, products, RMSNorm and the Sylvester Hadamard matrix (the numpy definition; the pypto kernels
+mirror it op for op in :mod:`dspark_kernels.pypto._ops`).
+
+Two precisions exist:
+
+* ``"fp32"`` (the default): DeepSeek's exact meaning. Every value stays float32, nothing is quantised.
+* ``"a2a3"``: the numerics of the a2a3 kernels (upstream's golden references): bf16 activations and caches,
+  int8 projections with per-row symmetric scales, fp32 accumulation. bf16 values are held in float32
+  arrays whose values are exactly representable in bf16 (round to nearest even), and int8 values in
+  float32 or int8 arrays holding integers in [-127, 127].
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Literal, get_args
+
+import ml_dtypes
+import numpy as np
+
+Precision = Literal["fp32", "a2a3"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+
+#: Floor of the absolute maximum before symmetric int8 scaling: per row in upstream's ``int8q``, per channel
+#: in pypto-lib's W8A8 weights (``INT8_AMAX_EPS``, :func:`dspark_kernels.model.quant.quant_int8_channels`).
+INT8_AMAX_FLOOR = 1e-4
+#: Largest int8 magnitude used by the symmetric quantiser.
+INT8_MAX = 127
+#: Largest integer float32 represents exactly; int8 dot products below it are exact in float32.
+FP32_EXACT_INT = 2**24
+
+# a2a3 hyper-connection orders (dspark_kernels.reference.hyper_connections; the pypto kernels share them)
+#: a2a3 mix: K = hc*D cut into this many contiguous slices, each reduced by its own cube task; the slice
+#: partials are added in ascending order.
+HC_K_SPLITS = 4
+#: a2a3 mix: the A2/A3 fp32 cube MAD adds this many consecutive products to its accumulator per rounding.
+CUBE_MAD_K = 4
+#: a2a3 sum of squares: width of the chunks whose sums are accumulated in ascending order; K is zero-padded
+#: to a multiple of it.
+RMS_CHUNK = 512
+
+
+def check_precision(precision: str) -> Precision:
+    """Return ``precision`` if it names a supported mode, else raise ValueError naming the choices."""
+    for known in PRECISIONS:
+        if precision == known:
+            return known
+    raise ValueError(f"precision={precision!r} is not supported; choose one of {list(PRECISIONS)}")
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round to the nearest bf16 value (ties to even) and return float32 of the same shape."""
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def narrow(x: np.ndarray, precision: Precision) -> np.ndarray:
+    """A bf16 narrowing point of the a2a3 kernels: bf16-round in ``"a2a3"``, identity in ``"fp32"``."""
+    return bf16_round(x) if precision == "a2a3" else x
+
+
+def int8_quantize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8 quantisation over the last axis, exactly as upstream's ``int8q``.
+
+    v: [..., K] float. amax = max|v| clamped to >= 1e-4; scale = 127 / amax; q = round-half-even(v * scale).
+    Returns (q [..., K] float32 holding integers in [-127, 127], dequant [...] float32 = 1 / scale),
+    so ``q * dequant[..., None]`` approximates ``v``.
+    """
+    v = np.asarray(v, dtype=np.float32)
+    amax = np.maximum(np.abs(v).max(axis=-1), np.float32(INT8_AMAX_FLOOR))          # (...)
+    scale = np.float32(INT8_MAX) / amax                                               # (...)
+    q = np.clip(np.rint(v * scale[..., None]), -INT8_MAX, INT8_MAX)                   # (..., K)
+    return q.astype(np.float32), (np.float32(1.0) / scale).astype(np.float32)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for x [M, K] and an [out, in] weight w [N, K]: [M, N] float32 (possibly a transposed view).
+
+    When M < N the product is formed as ``(w @ x.T).T``: the same dot products, but OpenBLAS runs that
+    orientation 1.5-3x faster for few rows against a wide weight (measured on this project's shapes).
+    """
+    if x.shape[0] < w.shape[0]:
+        return (w @ x.T).T
+    return x @ w.T
+
+
+def int8_matmul(a_q: np.ndarray, b_q: np.ndarray) -> np.ndarray:
+    """Exact integer product ``a_q @ b_q.T`` of int8-valued arrays, returned as float32.
+
+    a_q: [M, K], b_q: [N, K] (float or int8 arrays holding integers in [-127, 127]).
+    Every partial sum is an integer below 2**24 when K * 127**2 < 2**24 (K <= 1040), so float32 BLAS is
+    exact and order-independent, like the int32 accumulation of the hardware. Larger K uses float64.
+    """
+    k = a_q.shape[-1]
+    dtype = np.float32 if k * INT8_MAX * INT8_MAX < FP32_EXACT_INT else np.float64
+    out = linear(a_q.astype(dtype, copy=False), b_q.astype(dtype, copy=False))
+    return out.astype(np.float32, copy=False)
+
+
+def rms_norm(v: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """``v / sqrt(mean(v**2, last axis) + eps) * weight`` in float32; ``weight=None`` is unweighted.
+
+    v: [..., K] float32; weight: [K] float32 or None. Returns [..., K] float32.
+    """
+    v = np.asarray(v, dtype=np.float32)
+    mean_sq = np.einsum("...i,...i->...", v, v)[..., None] / np.float32(v.shape[-1])     # (..., 1)
+    out = v * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(eps)))
+    if weight is not None:
+        out *= weight
+    return out
+
+
+@lru_cache(maxsize=8)
+def hadamard(n: int) -> np.ndarray:
+    """Sylvester Hadamard matrix of order ``n`` (a power of two) scaled by ``1/sqrt(n)``: [n, n] float32.
+
+    H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]]. Symmetric and orthogonal. Read-only (cached).
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard order n={n} must be a power of two")
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    out = (h / np.sqrt(np.float32(n))).astype(np.float32)
+    out.flags.writeable = False
+    return out

@@ -1,0 +1,149 @@
+"""`BatchPlan`: every fact the kernels derive from a validated `PackedBatch`, derived once per batch and rank.
+
+A forward builds one plan before its first layer (one per rank of a TP group) and hands it to every layer,
+stage and backend, which read it instead of taking ``rank: int`` and re-deriving per layer:
+
+======================  ==========================================================================================
+field                   what, and where it comes from
+======================  ==========================================================================================
+``rank``                None (the whole TP group) or the TP rank whose query rows this plan covers
+``row_start/row_stop``  the query rows: ``[0, P)``, or the rank's ``[r*L, (r+1)*L)``
+``positions``           [P] int64 positions of all group rows (the KV side covers them all)
+``request``             [P] int32 ``batch.row_request``: the ABI's one row-ownership array, shared, not recomputed
+``run_*``               the group rows ``[qsl[r], qsl[r+1])`` of every non-empty request, from ``query_start_loc``
+                        (:meth:`runs_in` clips them to a row range)
+``boundaries[m]``       [B] int64 live rows that close a ratio-m window, m = 4 and 128 (they write entry
+                        ``(p+1)/m - 1``: :func:`~dspark_kernels.model.geometry.boundary_rows`)
+``visible[m]``          [P] int64 entries a row sees, ``(p+1) // m`` (:func:`dspark_abi.layout.visible_entries`),
+                        0 on padding rows
+``rope[kind]``          RoPE cos / sin [P, rd/2] at the positions, per layer kind of the schedule, in the
+                        plan's precision (CSA and HCA share the compressed frequencies, so one object)
+``window_rope[m]``      RoPE cos / sin [P, rd/2] at the ratio-m window starts (compressor entries)
+======================  ==========================================================================================
+
+A plan serves one precision (its RoPE rows are that precision's values). It is immutable and pickles (the
+pypto backend ships it to its kernel processes).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_abi.config import LayerKind
+from dspark_abi.layout import visible_entries
+from dspark_kernels.model.geometry import boundary_rows, window_start_positions
+from dspark_kernels.model.numerics import Precision, check_precision
+from dspark_kernels.model.rope import rope_at
+
+#: One request's contiguous rows inside a row range: ``(start, stop, request)``, start < stop.
+Run = tuple[int, int, int]
+
+
+def compress_ratios(config: ModelConfig) -> tuple[int, ...]:
+    """The compress ratios of the ABI's compressed pools (4 and 128), ascending."""
+    return tuple(sorted({pl.ratio for pl in config.layout if pl.ratio}))
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@attrs.frozen(eq=False)
+class RopeRows:
+    """RoPE cos and sin, each [P, rd/2] float32 (bf16 values in a2a3), one row per group row."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+
+    def rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cos, sin) of group rows ``[lo, hi)``."""
+        return self.cos[lo:hi], self.sin[lo:hi]
+
+
+@attrs.frozen(eq=False)
+class BatchPlan:
+    """What the kernels read of one batch for one rank (or the whole group); see the module table.
+
+    Build with :meth:`build`. The mappings are keyed by ratio (4, 128) or layer kind and must not be changed.
+    """
+
+    batch: PackedBatch
+    rank: int | None
+    precision: Precision
+    row_start: int
+    row_stop: int
+    positions: np.ndarray
+    request: np.ndarray
+    run_starts: np.ndarray
+    run_stops: np.ndarray
+    run_requests: np.ndarray
+    boundaries: dict[int, np.ndarray]
+    visible: dict[int, np.ndarray]
+    rope: dict[LayerKind, RopeRows]
+    window_rope: dict[int, RopeRows]
+
+    @classmethod
+    def build(cls, batch: PackedBatch, *, rank: int | None = None, precision: str = "fp32") -> BatchPlan:
+        """The plan of ``batch`` (validated) for ``rank`` (None = the whole group) in ``precision``.
+
+        Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ValueError for an unknown precision.
+        """
+        prec = check_precision(precision)
+        tp, local = batch.tp_size, batch.local_rows
+        if rank is None:
+            lo, hi = 0, batch.padded_rows
+        elif isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < tp:
+            raise ABIError([Issue("rank.index", "rank", f"rank {rank!r} does not exist in a TP-{tp} group",
+                                  expected=f"None or 0 <= rank < {tp}", actual=repr(rank))])
+        else:
+            rank = int(rank)
+            lo, hi = rank * local, (rank + 1) * local
+        config = batch.config
+        positions = _frozen(batch.positions.astype(np.int64))
+        request = batch.row_request
+        qsl = batch.query_start_loc.astype(np.int64)
+        live = qsl[1:] > qsl[:-1]
+        ratios = compress_ratios(config)
+        boundaries = {m: _frozen(boundary_rows(positions, request, m)) for m in ratios}
+        visible = {m: _frozen(np.where(request >= 0, visible_entries(positions, m), 0)) for m in ratios}
+        kinds: dict[LayerKind, int] = {config.layer_kind(i): m for i, m in enumerate(config.compress_ratios)}
+        rope: dict[LayerKind, RopeRows] = {}
+        for kind in sorted(kinds):  # the compressed kinds share one frequency table (dspark_kernels.model.rope)
+            twin = next((rows for k, rows in rope.items() if (k == "swa") == (kind == "swa")), None)
+            rope[kind] = twin or RopeRows(*(_frozen(a) for a in rope_at(config, kind, positions, prec)))
+        window_rope = {m: RopeRows(*(_frozen(a) for a in rope_at(config, kind, window_start_positions(positions, m),
+                                                                 prec)))
+                       for kind, m in kinds.items() if m}
+        return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
+                   request=request, run_starts=_frozen(qsl[:-1][live]), run_stops=_frozen(qsl[1:][live]),
+                   run_requests=_frozen(np.flatnonzero(live).astype(np.int64)), boundaries=boundaries,
+                   visible=visible, rope=rope, window_rope=window_rope)
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def config(self) -> ModelConfig:
+        return self.batch.config
+
+    @property
+    def query_rows(self) -> slice:
+        """The query rows ``[row_start, row_stop)`` as a slice of the group rows."""
+        return slice(self.row_start, self.row_stop)
+
+    @property
+    def query_request(self) -> np.ndarray:
+        """[rows] int32 request of each query row (a view of ``batch.row_request``); -1 on padding rows."""
+        return self.request[self.row_start:self.row_stop]
+
+    def runs_in(self, lo: int, hi: int) -> list[Run]:
+        """The runs of group rows ``[lo, hi)``: ``(start, stop, request)`` relative to ``lo``, ascending.
+
+        O(log R + runs): the requests overlapping the range, clipped to it; padding rows belong to no run.
+        """
+        first = int(np.searchsorted(self.run_stops, lo, side="right"))
+        last = int(np.searchsorted(self.run_starts, hi, side="left"))
+        return [(max(int(s), lo) - lo, min(int(e), hi) - lo, int(r)) for s, e, r in
+                zip(self.run_starts[first:last], self.run_stops[first:last], self.run_requests[first:last],
+                    strict=True)]

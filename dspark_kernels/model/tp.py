@@ -1,0 +1,226 @@
+"""TP group execution: every rank runs its view of the batch; the per-layer all-gathers are the only exchange.
+
+* In-process (:func:`run_tp_inprocess`): one thread per rank, each with its own cache replica and plan, one
+  cache of prepared weights shared by all; all-gathers through shared memory. Any machine, no extra dependency.
+* Multi-process (:func:`launch`): one process per rank on ``torch.distributed`` (backend ``gloo`` on CPU,
+  ``hccl`` on Ascend with ``device="npu"``); the all-gathers are real collectives. Processes are started with
+  ``torch.multiprocessing`` spawn, or by ``torchrun`` calling :func:`run_rank` in each process.
+
+Both run the attention of every layer on the chosen ``backend`` ('reference' or 'pypto', as
+:func:`dspark_kernels.prefill`); the pypto backend runs each layer's kernels in a child process
+(:mod:`dspark_kernels.pypto.isolate`), so threads and rank processes never share a pypto runtime.
+
+torch is imported only inside the distributed functions, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from dspark_abi import PackedBatch
+from dspark_kernels.model.backends import AttentionBackend, resolve_backend
+from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.forward import ForwardResult, run_forward
+from dspark_kernels.model.layer import AllGather
+from dspark_kernels.model.prepared import PreparedWeightsCache
+from dspark_kernels.model.weights import ModelWeights
+
+#: Seconds a rank waits for its peers at one all-gather before giving up (a peer failed or hung).
+GATHER_TIMEOUT_S = 600.0
+
+
+@attrs.frozen(eq=False)
+class RankResult:
+    """One rank's forward result and its (replicated) caches after the call."""
+
+    rank: int
+    result: ForwardResult
+    caches: ModelCaches
+
+
+class ThreadGroup:
+    """In-process all-gather for ``tp_size`` ranks running as threads (rank-major concatenation)."""
+
+    def __init__(self, tp_size: int, timeout: float = GATHER_TIMEOUT_S):
+        self.tp_size = tp_size
+        self._slots: list[np.ndarray | None] = [None] * tp_size
+        self._barrier = threading.Barrier(tp_size, timeout=timeout)
+
+    def gatherer(self, rank: int) -> AllGather:
+        def all_gather(local: np.ndarray) -> np.ndarray:
+            self._slots[rank] = np.array(local, copy=True)
+            self._barrier.wait()  # every rank has published
+            out = np.concatenate([part for part in self._slots if part is not None])
+            self._barrier.wait()  # every rank has read before the next gather overwrites
+            return out
+
+        return all_gather
+
+    def abort(self) -> None:
+        """Release the peers of a failed rank (they raise BrokenBarrierError instead of waiting)."""
+        self._barrier.abort()
+
+
+def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
+                     precision: str = "fp32", layers: Sequence[int] | None = None,
+                     logit_rows: Sequence[int] | None = None, backend: str = "reference",
+                     prepared: PreparedWeightsCache | None = None,
+                     on_layer: Callable[[int, int], None] | None = None) -> list[RankResult]:
+    """Run every rank's view of ``batch`` in threads; rank 0 writes ``caches``, the others copies of it.
+
+    backend: 'reference' or 'pypto' attention (see :func:`~dspark_kernels.model.backends.resolve_backend`).
+    prepared: the cache of prepared attention weights the ranks share (default: one for this call, kept only if
+    ``weights`` keep their layers). on_layer(done, total) is called by rank 0 after each layer. Returns one
+    :class:`RankResult` per rank (all results are equal to the whole-group forward). The first failing rank's
+    exception is re-raised after all threads stopped.
+    """
+    attention = resolve_backend(backend, precision)
+    cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
+    tp = batch.tp_size
+    group = ThreadGroup(tp)
+    replicas = [caches] + [caches.copy() for _ in range(tp - 1)]
+    results: list[Any] = [None] * tp
+    errors: list[BaseException] = []
+
+    def work(r: int) -> None:
+        try:
+            results[r] = run_forward(batch, inputs, weights, replicas[r], precision=precision, layers=layers,
+                                     logit_rows=logit_rows, rank=r, all_gather=group.gatherer(r),
+                                     attention=attention, prepared=cache, on_layer=on_layer if r == 0 else None)
+        except BaseException as exc:
+            errors.append(exc)
+            group.abort()
+
+    threads = [threading.Thread(target=work, args=(r,), name=f"tp-rank-{r}") for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise first
+    return [RankResult(r, results[r], replicas[r]) for r in range(tp)]
+
+
+# ---------------------------------------------------------------------------------------------- distributed
+@attrs.frozen(eq=False)
+class DistributedJob:
+    """Everything a rank process needs (pickled to each process; random weights regenerate there)."""
+
+    batch: PackedBatch
+    inputs: np.ndarray
+    weights: ModelWeights
+    caches: ModelCaches
+    precision: str = "fp32"
+    layers: tuple[int, ...] | None = None
+    logit_rows: tuple[int, ...] | None = None
+    backend: str = "reference"
+    """Attention backend of every rank ('reference' or 'pypto', see
+    :func:`~dspark_kernels.model.backends.resolve_backend`)."""
+    on_layer: Callable[[int, int], None] | None = None
+    """Called by rank 0's process after each layer (it must pickle; it runs in that process)."""
+
+
+def torch_all_gather(device: str = "cpu") -> AllGather:
+    """An :data:`AllGather` over the default ``torch.distributed`` process group (must be initialised)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+
+    def all_gather(local: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(local)).to(device)
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        return np.concatenate([p.cpu().numpy() for p in parts])
+
+    return all_gather
+
+
+def run_rank(job: DistributedJob, *, device: str = "cpu", attention: AttentionBackend | None = None) -> RankResult:
+    """Run this process's rank of ``job`` in an initialised default process group (e.g. under torchrun).
+
+    attention: the attention backend already resolved (by :func:`launch`); default
+    ``resolve_backend(job.backend, job.precision)`` resolved in this process.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if dist.get_world_size() != job.batch.tp_size:
+        raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {job.batch.tp_size}")
+    if attention is None:
+        attention = resolve_backend(job.backend, job.precision)
+    result = run_forward(job.batch, job.inputs, job.weights, job.caches, precision=job.precision,
+                         layers=job.layers, logit_rows=job.logit_rows, rank=rank,
+                         all_gather=torch_all_gather(device), attention=attention,
+                         on_layer=job.on_layer if rank == 0 else None)
+    return RankResult(rank, result, job.caches)
+
+
+def _spawned_rank(rank: int, job: DistributedJob, init_file: str, backend: str, device: str, out: Any,
+                  attention: AttentionBackend | None = None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # ranks share the machine's cores; numpy does the math
+    if device == "cuda":  # one GPU per rank (NCCL refuses two ranks on one device)
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=job.batch.tp_size)
+    try:
+        out.put(run_rank(job, device=device, attention=attention))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(job: DistributedJob, *, backend: str = "gloo", device: str = "cpu",
+           timeout: float = GATHER_TIMEOUT_S) -> list[RankResult]:
+    """Start ``job.batch.tp_size`` processes (torch.multiprocessing spawn), one per rank, and collect their results.
+
+    backend: a ``torch.distributed`` backend (``gloo`` on CPU, ``nccl`` with ``device="cuda"``: one GPU per rank,
+    ``hccl`` on Ascend). ``job.backend`` (the attention backend) is resolved here, once, and shipped to every
+    rank. Raises if a rank fails or nothing arrives within ``timeout`` seconds (all processes are then terminated).
+    """
+    attention = resolve_backend(job.backend, job.precision)
+    import torch.multiprocessing as mp
+
+    tp = job.batch.tp_size
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="dspark-tp-")
+    os.close(fd)
+    os.unlink(init_file)  # the file store creates it
+    procs = mp.start_processes(_spawned_rank, args=(job, init_file, backend, device, out, attention), nprocs=tp,
+                               join=False, start_method="spawn")
+    results: dict[int, RankResult] = {}
+    try:
+        waited = 0.0
+        while len(results) < tp:
+            try:
+                r = out.get(timeout=1.0)
+                results[r.rank] = r
+            except queue.Empty:
+                waited += 1.0
+                procs.join(timeout=0)  # raises ProcessRaisedException / ProcessExitedException on failure
+                if waited > timeout:
+                    raise TimeoutError(f"TP ranks did not finish within {timeout} s") from None
+        deadline = time.monotonic() + timeout
+        while not procs.join(timeout=max(deadline - time.monotonic(), 0.0)):  # returns as each process exits
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"TP rank processes did not exit within {timeout} s")
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return [results[r] for r in range(tp)]

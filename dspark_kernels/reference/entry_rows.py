@@ -1,0 +1,29 @@
+"""Stage 6 (reference): the physical rows of the compressed entries each query reads, through its own request's
+table (the ``csa_cmp`` / ``hca_cmp`` pools; -1 = none).
+
+* HCA (dense, :func:`visible_entry_rows`): every visible entry ``c < (p + 1) // 128`` of the row
+  (the plan's ``visible[128]``, :func:`dspark_abi.layout.visible_entries`).
+* CSA (:func:`chosen_entry_rows`): the top-k entries the lightning indexer chose.
+
+Both are the ABI's slot formula, :func:`dspark_abi.layout.physical_rows`: -1 for padding rows, a dead column
+(entry -1) or an unmapped page.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dspark_abi.layout import KV_PAGE_SIZE, physical_rows
+
+
+def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray,
+                       page_size: int = KV_PAGE_SIZE) -> np.ndarray:
+    """[T, Vmax] int64 rows of entries ``c < visible[t]`` (visible: [T] counts, 0 on padding rows); -1 beyond."""
+    c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
+    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size)
+
+
+def chosen_entry_rows(entries: np.ndarray, request: np.ndarray, table: np.ndarray,
+                      page_size: int = KV_PAGE_SIZE) -> np.ndarray:
+    """[T, K] int64 rows of the logical entries [T, K] each row chose (-1 = none)."""
+    return physical_rows(table, request, entries, page_size)

@@ -1,0 +1,167 @@
+"""The kernels' structure: the two backends mirror each other stage for stage, pypto builds on the model layer
+only, every shared fact has one home, and a batch's facts are derived once (the plan), not per layer or rank."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dspark_kernels
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
+from dspark_abi.layout import visible_entries, written_logical
+from dspark_abi.presets import TINY
+
+PACKAGE = Path(dspark_kernels.__file__).parent
+#: The prefill attention stages: one module of this name in each backend.
+STAGES = {"lowering", "projections", "paged", "window", "compressor", "indexer", "entry_rows", "sparse_attention",
+          "o_proj", "attention"}
+#: Modules of a backend that are not stages.
+HELPERS = {"reference": {"__init__", "tiling"},
+           "pypto": {"__init__", "_ops", "runtime", "isolate", "index_guard", "errors"}}
+#: The rest of a layer (outside attention): numpy reference only, until a pypto backend of them exists.
+LAYER_STAGES = {"hyper_connections", "moe", "head"}
+
+
+def _modules(backend: str) -> set[str]:
+    return {p.stem for p in (PACKAGE / backend).glob("*.py")}
+
+
+def _sources() -> list[tuple[Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text(), str(p))) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_reference_and_pypto_have_the_same_stage_modules():
+    reference = _modules("reference") - HELPERS["reference"]
+    pypto = _modules("pypto") - HELPERS["pypto"]
+    assert reference - LAYER_STAGES == STAGES
+    assert pypto - LAYER_STAGES == STAGES
+    assert pypto & LAYER_STAGES <= reference & LAYER_STAGES
+
+
+def test_pypto_imports_the_model_layer_never_the_reference():
+    for path, tree in _sources():
+        if path.parent.name != "pypto":
+            continue
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("dspark_kernels.reference") for n in names), (path.name, names)
+
+
+@pytest.mark.parametrize("name", ["INDEX_RATIO", "OVERLAP_RATIO", "MASKED_SCORE", "MIN_COLUMNS", "MIN_ROW_BYTES",
+                                  "INT8_AMAX_FLOOR", "INT8_MAX", "BACKENDS", "POOLS_BY_KIND", "PRECISION",
+                                  "HC_K_SPLITS", "CUBE_MAD_K", "RMS_CHUNK"])
+def test_each_shared_constant_has_one_definition(name):
+    homes = [path.relative_to(PACKAGE) for path, tree in _sources() for node in tree.body
+             if isinstance(node, ast.Assign | ast.AnnAssign)
+             and name in [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                          if isinstance(t, ast.Name)]]
+    assert len(homes) <= 1, homes
+
+
+def test_the_ratio_constants_are_the_abi_pools_ratios():
+    from dspark_kernels.model.geometry import INDEX_RATIO, OVERLAP_RATIO
+
+    pools = TINY.layout.pools
+    assert pools["idx"].ratio == INDEX_RATIO and pools["csa_cmp"].ratio == OVERLAP_RATIO
+
+
+def test_no_kernel_module_rederives_row_ownership_or_visibility():
+    """Row ownership is ``batch.row_request`` (via the plan) and the visible-entry formula is the ABI's: no
+    ``.rank(r)`` view, no host-side ``lower_local_request_ids`` outside the pypto stage-1 checks, no ``(p + 1) //``."""
+    for path, tree in _sources():
+        where = path.relative_to(PACKAGE)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                assert node.func.attr != "rank", where
+            if isinstance(node, ast.ImportFrom) and str(where) != "pypto/lowering.py":
+                assert "lower_local_request_ids" not in [a.name for a in node.names], where
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+                left = node.left
+                plus_one = (isinstance(left, ast.BinOp) and isinstance(left.op, ast.Add)
+                            and isinstance(left.right, ast.Constant) and left.right.value == 1)
+                assert not plus_one, (where, ast.unparse(node))
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def _batch(tp: int):
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), BlockAllocator(TINY, PoolBlocks.uniform(256)))
+    for rid, new in enumerate((9, 0, 134, 3)):  # an empty request, boundaries of both ratios, padding rows
+        builder.add(rid, num_cached=0, num_new=new)
+    return builder.build()
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_plan_facts_come_from_the_batch(tp):
+    from dspark_kernels.model.plan import BatchPlan
+
+    batch = _batch(tp)
+    for rank in [None, *range(tp)]:
+        plan = BatchPlan.build(batch, rank=rank)
+        assert plan.request is batch.row_request  # shared, not recomputed
+        lo, hi = (0, batch.padded_rows) if rank is None else (rank * batch.local_rows, (rank + 1) * batch.local_rows)
+        assert (plan.row_start, plan.row_stop) == (lo, hi)
+        runs = plan.runs_in(lo, hi)
+        owner = np.full(hi - lo, -1)
+        for start, stop, r in runs:
+            owner[start:stop] = r
+        np.testing.assert_array_equal(owner, batch.row_request[lo:hi])
+        assert all(stop > start for start, stop, _ in runs)
+        live = batch.row_request >= 0
+        for ratio, pool in ((4, "csa_cmp"), (128, "hca_cmp")):
+            want = np.flatnonzero(live & (written_logical(TINY.layout.pools[pool], batch.positions) >= 0))
+            np.testing.assert_array_equal(plan.boundaries[ratio], want)
+            np.testing.assert_array_equal(plan.visible[ratio], np.where(live, visible_entries(batch.positions,
+                                                                                              ratio), 0))
+        assert plan.rope["csa"] is plan.rope["hca"]  # compressed kinds share one frequency table
+
+
+def test_plan_refuses_a_rank_outside_the_group():
+    from dspark_kernels.model.plan import BatchPlan
+
+    with pytest.raises(ABIError) as err:
+        BatchPlan.build(_batch(2), rank=2)
+    assert err.value.codes == {"rank.index"}
+
+
+def test_a_forward_builds_one_plan_and_prepares_each_layer_once(monkeypatch):
+    from dspark_kernels.model import forward, prepared
+    from dspark_kernels.model.caches import ModelCaches
+    from dspark_kernels.model.plan import BatchPlan
+    from dspark_kernels.model.weights import ModelWeights
+
+    batch = _batch(1)
+    plans, prepares = [], []
+    build, prepare = BatchPlan.build, prepared.prepare_weights
+    monkeypatch.setattr(BatchPlan, "build", classmethod(lambda cls, *a, **k: plans.append(1) or build(*a, **k)))
+    monkeypatch.setattr(prepared, "prepare_weights", lambda w, p: prepares.append(w.layer) or prepare(w, p))
+    weights = ModelWeights.random(TINY, 0)
+    cache = prepared.PreparedWeightsCache()
+    for _ in range(2):
+        tokens = np.zeros(batch.padded_rows, np.int64)
+        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks), prepared=cache)
+    assert len(plans) == 2 and prepares == list(range(TINY.num_layers))  # the caller's cache is reused
+
+
+def test_pypto_backend_lowers_request_ids_once_per_plan(monkeypatch):
+    from dspark_kernels.model.plan import BatchPlan
+    from dspark_kernels.pypto import attention as pypto_attention
+
+    seen = []
+
+    def fake(plan, layer, x, weights, caches, ids):  # stands in for the kernels (no pypto needed)
+        seen.append(ids)
+        return np.zeros((plan.row_stop - plan.row_start, 1), np.float32), plan.query_request.copy()
+
+    monkeypatch.setattr(pypto_attention, "_attention_in_process", fake)
+    backend = pypto_attention.PyptoAttention(isolate=False)
+    weights = type("W", (), {"precision": "a2a3"})()
+    batch = _batch(2)
+    plans = [BatchPlan.build(batch, rank=r, precision="a2a3") for r in (0, 1)]
+    for layer in range(3):
+        for plan in plans:
+            backend(plan, layer, None, weights, None)
+    assert seen[:2] == [None, None] and all(ids is not None for ids in seen[2:])
