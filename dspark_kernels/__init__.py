@@ -7,8 +7,9 @@ and TP group); ``dspark_kernels.reference`` and ``dspark_kernels.pypto`` hold on
 
 # ---- the typed prefill entry point
 from dspark_kernels.api import PrefillResult, RequestOutput, prefill
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches, ModelCaches
-from dspark_kernels.model.weights import AttentionWeights, ModelWeights
+from dspark_kernels.model.weights import ModelWeights
 
 # ---- reference backend (numpy)
 from dspark_kernels.reference.attention import attention

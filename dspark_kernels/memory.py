@@ -2,7 +2,7 @@
 
 :func:`estimate_prefill` adds three parts:
 
-* weights: every tensor :func:`~dspark_kernels.model.weights.weight_specs` lists, as :class:`ModelWeights` holds
+* weights: every tensor :func:`~dspark_kernels.model.weight_specs.weight_specs` lists, as :class:`ModelWeights` holds
   it (float32; ``tid2eid`` int64), including all routed experts of every layer; plus the transient of building
   one layer (its experts are read one by one, then stacked: twice that layer's experts at once) and, in
   ``a2a3`` precision, the attention weights' prepared copies. Streaming weights (``resident_layers=1``, a
@@ -28,7 +28,7 @@ import numpy as np
 from dspark_abi import PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_kernels.model.caches import POOLS_BY_KIND
-from dspark_kernels.model.weights import weight_specs
+from dspark_kernels.model.weight_specs import weight_specs
 
 #: Bytes per element as :class:`ModelWeights` holds a tensor: floats as float32, ``tid2eid`` as int64.
 _ELEMENT_BYTES = {"float": 4, "int": 8}

@@ -19,7 +19,8 @@ from dspark_abi.cli.common import UsageError
 from dspark_abi.errors import ABIError
 from dspark_abi.presets import get_preset
 from dspark_kernels import memory
-from dspark_kernels.model.weights import ModelWeights, WeightsError
+from dspark_kernels.model.weight_specs import WeightsError
+from dspark_kernels.model.weights import ModelWeights
 
 #: Share of the available memory a run may be estimated to use (the rest: the interpreter, other processes).
 MEMORY_HEADROOM = 0.9

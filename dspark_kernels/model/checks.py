@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from dspark_abi import ABIError, Issue, PackedBatch
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches, pool_array_issues
 from dspark_kernels.model.geometry import OVERLAP_RATIO, window_state_rows
-from dspark_kernels.model.weights import AttentionWeights
 
 
 def check_attention_inputs(batch: Any, layer: Any, x: Any, weights: Any, caches: Any, rank: Any,

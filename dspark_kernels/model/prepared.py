@@ -18,8 +18,8 @@ import threading
 import attrs
 import numpy as np
 
+from dspark_kernels.model.attention_weights import AttentionWeights, CompressorWeights
 from dspark_kernels.model.numerics import Precision, check_precision, hadamard, int8_quantize, narrow
-from dspark_kernels.model.weights import AttentionWeights, CompressorWeights
 
 #: A compressor's arrays in one precision: the same fields as the checkpoint's, with narrowed weights.
 PreparedCompressor = CompressorWeights

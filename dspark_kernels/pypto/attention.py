@@ -33,6 +33,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import PackedBatch
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
@@ -40,7 +41,6 @@ from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import narrow
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
-from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
 
 T = TypeVar("T")

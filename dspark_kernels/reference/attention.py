@@ -20,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_abi import PackedBatch
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import check_precision, narrow
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
-from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.reference.compressor import compress, compress_index_keys
 from dspark_kernels.reference.entry_rows import chosen_entry_rows, visible_entry_rows
 from dspark_kernels.reference.indexer import index_query, lightning_topk

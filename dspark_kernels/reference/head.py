@@ -12,21 +12,12 @@ logits accumulate in fp32. Under TP the vocabulary is split into contiguous shar
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
 from dspark_abi.config import ModelConfig
+from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.numerics import Precision, check_precision, narrow, rms_norm
-from dspark_kernels.reference.hyper_connections import HcWeights, hc_head
-
-
-@attrs.frozen
-class HeadWeights:
-    """hc_head mixer, final norm ``norm.weight`` [D] and LM head ``head.weight`` [V, D] (fp32 arrays)."""
-
-    hc: HcWeights
-    norm: np.ndarray
-    head: np.ndarray
+from dspark_kernels.reference.hyper_connections import hc_head
 
 
 def final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *,

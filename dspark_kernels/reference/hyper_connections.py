@@ -42,6 +42,7 @@ import attrs
 import numpy as np
 
 from dspark_abi.config import ModelConfig
+from dspark_kernels.model.block_weights import HcWeights
 from dspark_kernels.model.numerics import (
     CUBE_MAD_K,
     HC_K_SPLITS,
@@ -50,20 +51,6 @@ from dspark_kernels.model.numerics import (
     check_precision,
     narrow,
 )
-
-
-@attrs.frozen
-class HcWeights:
-    """One hyper-connection mixer (``hc_attn_*``, ``hc_ffn_*`` or ``hc_head_*``), all fp32.
-
-    fn: [(2 + hc) * hc, hc * D] for a layer mixer, [hc, hc * D] for the head.
-    scale: [3] for a layer mixer (pre, post, comb), [1] for the head.
-    base: [(2 + hc) * hc] or [hc].
-    """
-
-    fn: np.ndarray
-    scale: np.ndarray
-    base: np.ndarray
 
 
 @attrs.frozen

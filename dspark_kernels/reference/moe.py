@@ -23,31 +23,11 @@ weights (per-channel scales) of the a2a3 kernels are not emulated.
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 
 from dspark_abi.config import ModelConfig
+from dspark_kernels.model.block_weights import MoEWeights
 from dspark_kernels.model.numerics import Precision, check_precision, narrow
-
-
-@attrs.frozen
-class MoEWeights:
-    """One layer's FFN weights, [out, in] layouts as in the checkpoint, fp32 arrays (bf16 values for real models).
-
-    gate_w: [E, D]. gate_bias: [E] (learned-gate layers) or None. tid2eid: [V, K] int (hash layers) or None.
-    w1, w3: [E, I, D]; w2: [E, D, I] (stacked ``ffn.experts.{e}.w*``).
-    shared_w1, shared_w3: [S*I, D]; shared_w2: [D, S*I], or None when ``n_shared_experts == 0``.
-    """
-
-    gate_w: np.ndarray
-    gate_bias: np.ndarray | None
-    tid2eid: np.ndarray | None
-    w1: np.ndarray
-    w2: np.ndarray
-    w3: np.ndarray
-    shared_w1: np.ndarray | None = None
-    shared_w2: np.ndarray | None = None
-    shared_w3: np.ndarray | None = None
 
 
 def _score(logits: np.ndarray, func: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from dspark_abi.presets import TINY
 from dspark_kernels.cli import app as cli
 from dspark_kernels.cli import progress
 from dspark_kernels.model import weights as mw
+from dspark_kernels.model.weight_specs import weight_specs
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.reference.attention import attend
 
@@ -153,7 +154,7 @@ def test_malformed_config_json_names_the_file(capsys, no_compute, tmp_path, text
 
 def test_checkpoint_of_another_model_is_summarised(capsys, no_compute, tmp_path):
     """Tensors under foreign names (e.g. a Hugging Face layout): one line with counts and examples, not 170."""
-    names = list(mw.weight_specs(TINY))
+    names = list(weight_specs(TINY))
     save_file({f"model.{n}": np.zeros(1, np.float32) for n in names[:12]}, str(tmp_path / "model.safetensors"))
     code, _, err = invoke(capsys, "--request", "3@0", "--weights", str(tmp_path))
     line = one_line_error(code, err, 1, f"{len(names)} of {len(names)}", "embed.weight", "12 tensors",

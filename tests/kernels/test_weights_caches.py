@@ -9,8 +9,8 @@ import pytest
 from dspark_abi.errors import ABIError
 from dspark_abi.presets import FLASH, TINY
 from dspark_kernels import AttentionWeights, LayerCaches
+from dspark_kernels.model.attention_weights import expected_shapes
 from dspark_kernels.model.prepared import PreparedWeightsCache
-from dspark_kernels.model.weights import expected_shapes
 
 
 @pytest.mark.parametrize("layer", range(TINY.num_layers))

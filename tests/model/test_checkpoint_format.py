@@ -1,4 +1,5 @@
-"""The checkpoint format table and the lazy shard index (``dspark_kernels.model.checkpoint_format``).
+"""The checkpoint format table and the lazy shard index (``dspark_kernels.model.checkpoint_format``,
+``dspark_kernels.model.shard_index``).
 
 Synthetic checkpoints are written in the shipped format (F8_E4M3 + F8_E8M0 block scales, I8-packed FP4 experts,
 BF16/F32 floats, I32 ``tid2eid``) by a small safetensors writer in this file, split over two shards with a
@@ -18,6 +19,8 @@ from dspark_abi import ABIError, ModelConfig
 from dspark_abi.presets import FLASH, TINY
 from dspark_kernels.model import checkpoint_format as cf
 from dspark_kernels.model import quant
+from dspark_kernels.model import shard_index as si
+from dspark_kernels.model.weight_specs import weight_specs
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 Q = cf.QuantFormat(quantized=True)
@@ -74,7 +77,7 @@ def write_sharded(root: Path, stored: dict) -> Path:
     for file, part in shards.items():
         write_safetensors(root / file, {n: stored[n] for n in part})
     weight_map = {n: file for file, part in shards.items() for n in part}
-    (root / cf.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / si.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return root
 
 
@@ -129,7 +132,7 @@ def _weights_module():
 
 
 def test_table_names_and_shapes_agree_with_the_model_weights_reader():
-    specs = _weights_module().weight_specs(TINY)
+    specs = weight_specs(TINY)
     fmts = cf.model_formats(TINY, Q)
     assert set(specs) == set(fmts)
     assert {n: s.shape for n, s in specs.items()} == {n: f.shape for n, f in fmts.items()}
@@ -165,7 +168,7 @@ def test_unsupported_quantisation_is_a_config_error_with_a_fix():
 # ---------------------------------------------------------------------------------------------- shard index
 def test_sharded_checkpoint_in_the_real_format_reads_back(tiny_ckpt):
     root, fmts, want = tiny_ckpt
-    index = cf.ShardIndex(root)
+    index = si.ShardIndex(root)
     assert index.validate(fmts, strict=True).ok
     for name in ("layers.1.attn.wq_b.weight", "layers.1.attn.indexer.wq_b.weight", "layers.2.ffn.experts.3.w2.weight",
                  "layers.0.ffn.gate.tid2eid", "layers.3.hc_ffn_fn", "embed.weight", "layers.0.attn.wo_a.weight"):
@@ -181,15 +184,15 @@ def test_sharded_checkpoint_in_the_real_format_reads_back(tiny_ckpt):
 
 def test_reading_one_tensor_maps_only_its_bytes_and_its_scale(tiny_ckpt, monkeypatch):
     root, _, want = tiny_ckpt
-    index = cf.ShardIndex(root)  # headers only: nothing mapped yet
+    index = si.ShardIndex(root)  # headers only: nothing mapped yet
     mapped = []
-    real = cf._map_region
+    real = si._map_region
 
     def counting(path, off, n):
         mapped.append((path.name, off, n))
         return real(path, off, n)
 
-    monkeypatch.setattr(cf, "_map_region", counting)
+    monkeypatch.setattr(si, "_map_region", counting)
     name = "layers.1.attn.wkv.weight"
     assert np.array_equal(index.tensor(name), want[name])
     regions = {(s.path.name, s.offset, s.nbytes) for s in (index.stored(name), index.stored(name[:-7] + ".scale"))}
@@ -202,7 +205,7 @@ def test_other_tensors_bytes_are_never_interpreted(tmp_path):
     write_safetensors(tmp_path / "a.safetensors", {"x.weight": good, "x.scale": scale},
                       raw={"junk.weight": ("F8_E4M3", [300, 300], garbage.tobytes()),
                            "odd": ("F4", [8], bytes(4))})
-    index = cf.ShardIndex(tmp_path / "a.safetensors")
+    index = si.ShardIndex(tmp_path / "a.safetensors")
     assert np.array_equal(index.tensor("x.weight"), quant.dequant_fp8_blocks(good, scale))
     with pytest.raises(ABIError) as err:
         index.tensor("junk.weight")
@@ -213,7 +216,7 @@ def test_other_tensors_bytes_are_never_interpreted(tmp_path):
 
 
 def test_missing_wrong_dtype_and_wrong_shape_are_structured_errors(tiny_ckpt, tmp_path):
-    index = cf.ShardIndex(tiny_ckpt[0])
+    index = si.ShardIndex(tiny_ckpt[0])
     with pytest.raises(ABIError) as err:
         index.tensor("layers.9.attn.wq_a.weight")
     assert err.value.codes == {"array.missing"} and err.value.issues[0].fix
@@ -223,7 +226,7 @@ def test_missing_wrong_dtype_and_wrong_shape_are_structured_errors(tiny_ckpt, tm
         "c.weight": np.zeros((3, 3), ml_dtypes.bfloat16),
     }
     write_safetensors(tmp_path / "bad.safetensors", bad)
-    idx = cf.ShardIndex(tmp_path / "bad.safetensors")
+    idx = si.ShardIndex(tmp_path / "bad.safetensors")
     fmts_bad = [cf._proj("a.weight", (4, 8), Q), cf._proj("b.weight", (4, 8), Q), cf._f("c.weight", (3, 4)),
                 cf._f("d.weight", (2,))]
     report = idx.validate(fmts_bad)
@@ -237,7 +240,7 @@ def test_missing_wrong_dtype_and_wrong_shape_are_structured_errors(tiny_ckpt, tm
     assert all(i.fix for i in report.issues)
     # strict: a float copy where FP8 ships is reported, lenient accepts it
     write_safetensors(tmp_path / "f.safetensors", {"e.weight": np.zeros((4, 8), np.float32)})
-    fidx = cf.ShardIndex(tmp_path / "f.safetensors")
+    fidx = si.ShardIndex(tmp_path / "f.safetensors")
     assert fidx.validate([cf._proj("e.weight", (4, 8), Q)]).ok
     assert not fidx.validate([cf._proj("e.weight", (4, 8), Q)], strict=True).ok
 
@@ -245,32 +248,32 @@ def test_missing_wrong_dtype_and_wrong_shape_are_structured_errors(tiny_ckpt, tm
 def test_unreadable_shards_and_inconsistent_indexes(tmp_path):
     (tmp_path / "trunc.safetensors").write_bytes(struct.pack("<Q", 1000) + b"{}")
     with pytest.raises(ABIError) as err:
-        cf.ShardIndex(tmp_path / "trunc.safetensors")
+        si.ShardIndex(tmp_path / "trunc.safetensors")
     assert err.value.codes == {"fixture.unreadable"} and "header length" in err.value.issues[0].message
     (tmp_path / "nojson.safetensors").write_bytes(struct.pack("<Q", 8) + b"not json")
     with pytest.raises(ABIError, match="not JSON"):
-        cf.ShardIndex(tmp_path / "nojson.safetensors")
+        si.ShardIndex(tmp_path / "nojson.safetensors")
     beyond = json.dumps({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     (tmp_path / "short.safetensors").write_bytes(struct.pack("<Q", len(beyond)) + beyond + bytes(8))
     with pytest.raises(ABIError, match="outside the file"):
-        cf.ShardIndex(tmp_path / "short.safetensors")
+        si.ShardIndex(tmp_path / "short.safetensors")
     d = tmp_path / "dup"
     d.mkdir()
     write_safetensors(d / "a.safetensors", {"t": np.zeros(2, np.float32)})
     write_safetensors(d / "b.safetensors", {"t": np.zeros(2, np.float32)})
     with pytest.raises(ABIError) as err:
-        cf.ShardIndex(d)
+        si.ShardIndex(d)
     assert err.value.codes == {"fixture.tensors"}
-    (d / cf.INDEX_FILE).write_text(json.dumps({"weight_map": {"t": "a.safetensors", "u": "a.safetensors"}}))
+    (d / si.INDEX_FILE).write_text(json.dumps({"weight_map": {"t": "a.safetensors", "u": "a.safetensors"}}))
     with pytest.raises(ABIError) as err:
-        cf.ShardIndex(d)
+        si.ShardIndex(d)
     assert err.value.codes == {"array.missing"} and err.value.issues[0].field == "u"
 
 
 def test_model_weights_reads_a_quantised_checkpoint_through_the_index(tiny_ckpt):
     root, _, want = tiny_ckpt
     mod = _weights_module()
-    weights = mod.ModelWeights(TINY, cf.ShardIndex(root), keep_layers=False)
+    weights = mod.ModelWeights(TINY, si.ShardIndex(root), keep_layers=False)
     layer = weights.layer(1)
     assert np.array_equal(layer.attn.wq_b, want["layers.1.attn.wq_b.weight"])
     assert np.array_equal(weights.tensor("layers.2.ffn.experts.0.w1.weight"), want["layers.2.ffn.experts.0.w1.weight"])

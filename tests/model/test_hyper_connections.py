@@ -11,7 +11,8 @@ import pytest
 from tolerances import hc_pre_reductions, order_atol
 
 from dspark_abi.presets import TINY
-from dspark_kernels.reference.hyper_connections import HcWeights, hc_head, hc_post, hc_pre
+from dspark_kernels.model.block_weights import HcWeights
+from dspark_kernels.reference.hyper_connections import hc_head, hc_post, hc_pre
 
 #: post and comb are positive and cancel nowhere: their errors are the mixes' absolute errors through sigmoid /
 #: exp, i.e. relative. Measured <= 23 eps32 elementwise (3 OpenBLAS kernels, 30 seeds); RTOL keeps 7x margin.

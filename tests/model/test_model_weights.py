@@ -13,7 +13,8 @@ from safetensors.numpy import save_file
 from dspark_abi import ABIError
 from dspark_abi.presets import TINY
 from dspark_kernels.model import weights as mw
-from dspark_kernels.model.weights import ModelWeights, weight_specs
+from dspark_kernels.model.weight_specs import WeightsError, weight_specs
+from dspark_kernels.model.weights import ModelWeights
 
 
 def test_names_follow_deepseek_v4():
@@ -157,7 +158,7 @@ def test_flash_estimate_counts_every_routed_expert():
 def test_wrong_checkpoint_error_is_summarised_in_one_line(tmp_path: Path):
     names = list(weight_specs(TINY))
     save_file({f"model.{n}": np.zeros(1, np.float32) for n in names}, str(tmp_path / "hf.safetensors"))
-    with pytest.raises(mw.WeightsError) as err:
+    with pytest.raises(WeightsError) as err:
         ModelWeights.from_safetensors(tmp_path, TINY)
     assert isinstance(err.value, ABIError) and len(err.value.issues) == len(names)  # every issue kept
     summary = err.value.summary()
@@ -169,11 +170,11 @@ def test_wrong_checkpoint_error_is_summarised_in_one_line(tmp_path: Path):
 def test_unreadable_safetensors_file_is_named(tmp_path: Path):
     bad = tmp_path / "model-00002.safetensors"
     bad.write_bytes(b"\x00" * 5)
-    with pytest.raises(mw.WeightsError) as err:
+    with pytest.raises(WeightsError) as err:
         ModelWeights.from_safetensors([bad], TINY)
     assert err.value.unreadable == (str(bad),) and err.value.codes == {"array.missing"}
     assert str(bad) in err.value.summary() and "header" in err.value.summary()
     again = pickle.loads(pickle.dumps(err.value))  # crosses process boundaries intact
     assert again.summary() == err.value.summary() and again.issues == err.value.issues
-    with pytest.raises(mw.WeightsError, match="cannot read"):
+    with pytest.raises(WeightsError, match="cannot read"):
         ModelWeights.from_safetensors(tmp_path / "absent.safetensors", TINY)

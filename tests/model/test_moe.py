@@ -9,7 +9,8 @@ import pytest
 from tolerances import moe_reductions, order_atol
 
 from dspark_abi.presets import TINY
-from dspark_kernels.reference.moe import MoEWeights, moe, route
+from dspark_kernels.model.block_weights import MoEWeights
+from dspark_kernels.reference.moe import moe, route
 
 #: fp32 grouped matmuls vs a float64 per-token loop: the measured max error is ~4e-7 of the output's largest
 #: magnitude (10 seeds). Compare with an absolute tolerance of 1e-5 * max|out| (25x margin for BLAS order); a wrong

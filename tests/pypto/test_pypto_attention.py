@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from pypto_fixtures import CONFIG, SEED, compressor_batch, hidden_rows, random_history
 
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
-from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto import attention_pypto
 from dspark_kernels.reference.attention import attention
 

@@ -15,11 +15,11 @@ import pytest
 from pypto_fixtures import CONFIG, SEED, compressor_batch, hidden_rows, random_history
 
 from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE, RATIO128_STATE_PAGE_SIZE
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.geometry import window_start_positions
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
-from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.reference.compressor import compress, compress_index_keys
 

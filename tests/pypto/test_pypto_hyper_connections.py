@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from pypto_fixtures import CONFIG, SEED, packed_batch
 
+from dspark_kernels.model.block_weights import HcWeights
 from dspark_kernels.model.numerics import bf16_round
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.reference import hyper_connections as ref
-from dspark_kernels.reference.hyper_connections import HcWeights
 
 pytestmark = pytest.mark.pypto
 

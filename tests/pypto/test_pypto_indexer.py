@@ -13,10 +13,10 @@ import pytest
 from pypto_fixtures import CONFIG, SEED, assert_topk_sets_match, hidden_rows, long_batch, random_history
 
 from dspark_abi.layout import physical_rows
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
-from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.reference.indexer import index_query, index_scores, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query

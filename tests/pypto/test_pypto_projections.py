@@ -12,10 +12,10 @@ import pypto_cases
 import pytest
 from pypto_fixtures import CONFIG, SEED, hidden_rows, packed_batch
 
+from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.numerics import bf16_round
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
-from dspark_kernels.model.weights import AttentionWeights
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.reference.o_proj import output_projection
 from dspark_kernels.reference.projections import low_rank_query, query_heads, shared_kv
