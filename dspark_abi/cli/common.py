@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from dspark_abi.errors import ABIError
 from dspark_abi.policy import PaddingPolicy
+from dspark_abi.presets import PRESETS
 
 
 def printable(text: object) -> str:
@@ -80,6 +81,14 @@ def tp_size(text: str) -> int:
     bounds = {k: getattr(m, k) for m in PaddingPolicy.model_fields["tp_size"].metadata for k in ("ge", "le")
               if hasattr(m, k)}
     return int_in(text, bounds["ge"], bounds["le"], "TP size")
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both programs describe a packed batch with: ``--config``, ``--request`` (repeatable), ``--tp``."""
+    parser.add_argument("--config", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+    parser.add_argument("--request", action="append", type=parse_request, required=True, metavar="TOKENS@CACHED",
+                        help="one request: new tokens @ already cached tokens (repeatable)")
+    parser.add_argument("--tp", type=tp_size, default=1, help="TP group size, 1..64 (default 1)")
 
 
 def check_output(option: str, path: str | None, example: str) -> None:

@@ -29,12 +29,11 @@ from dspark_abi.cli.common import (
     CommandError,
     Parser,
     UsageError,
+    add_batch_arguments,
     check_output,
     int_in,
-    parse_request,
     printable,
     run_cli,
-    tp_size,
 )
 from dspark_abi.cli.files import add_file_commands, print_result
 from dspark_abi.config import ModelConfig
@@ -44,7 +43,7 @@ from dspark_abi.io.fixtures import FixtureFile
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, PoolBlocks
-from dspark_abi.presets import PRESETS, get_preset
+from dspark_abi.presets import get_preset
 
 #: Short column names for the seven slot mappings in the text layout.
 _SHORT = {"ori": "ori", "csa_cmp": "c4", "hca_cmp": "c128", "idx": "idx", "csa_state": "s4",
@@ -274,10 +273,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark-abi", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build a packed batch from TOKENS@CACHED requests and show its layout")
-    build.add_argument("--config", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
-    build.add_argument("--request", action="append", type=parse_request, required=True, metavar="TOKENS@CACHED",
-                       help="one request: new tokens @ already cached tokens (repeatable)")
-    build.add_argument("--tp", type=tp_size, default=1, help="TP group size, 1..64 (default 1)")
+    add_batch_arguments(build)
     build.add_argument("--pool-blocks", type=_pool_blocks, default=None, metavar="N",
                        help=f"blocks per pool, 1..{CLI_MAX_POOL_BLOCKS} (default: sized to fit)")
     build.add_argument("--pad-position", choices=["zero", "continue"], default="zero")

@@ -29,10 +29,9 @@ import numpy as np
 
 from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
-from dspark_abi.cli.common import Parser, UsageError, check_output, parse_request, tp_size
+from dspark_abi.cli.common import Parser, UsageError, add_batch_arguments, check_output
 from dspark_abi.errors import ABIError
 from dspark_abi.io import fixtures
-from dspark_abi.presets import PRESETS
 from dspark_kernels.api import prefill
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
 from dspark_kernels.cli.progress import PROGRESS_DELAY_S, LayerProgress, progress_mode
@@ -179,10 +178,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prefill", help="build a packed batch, fill cached contexts and run the forward")
-    p.add_argument("--config", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
-    p.add_argument("--request", action="append", type=parse_request, required=True, metavar="TOKENS@CACHED",
-                   help="one request: new tokens @ cached tokens (repeatable)")
-    p.add_argument("--tp", type=tp_size, default=1, help="TP group size (default 1)")
+    add_batch_arguments(p)
     p.add_argument("--mode", choices=["group", "threads", "distributed"], default="group",
                    help="group: whole group in one call; threads: one thread per rank view; "
                         "distributed: one process per rank on torch.distributed")
