@@ -1,8 +1,11 @@
 """`BlockAllocator`: the serving side's free lists and per-request tables of the seven pools.
 
 It persists across steps. Each step maps every page a request reads or writes in that call
-(window, compressed history, state history) and recycles state-ring pages that fell out of the
-carried history. A step is all or nothing: if any pool is short, :class:`ABIError`
+(window, compressed history, state history) and recycles the pages of the four ring pools (``ori`` and
+the state pools) that fell out of their reach, so a request holds at most ``ring_width`` blocks of each
+ring pool whatever its context length. Ring tables are ``ring_width`` columns wide (page ``i`` in column
+``i % ring_width``); the compressed pools' tables cover the whole context, and a step gets them trimmed
+to its widest live range. A step is all or nothing: if any pool is short, :class:`ABIError`
 ``alloc.exhausted`` is raised and no table or free list changes.
 
 Thread safety: every public method is atomic (one re-entrant lock, :attr:`BlockAllocator.lock`). A step
@@ -22,7 +25,7 @@ import numpy as np
 
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, touched_pages
+from dspark_abi.layout import MAX_CHUNK_TOKENS, POOL_NAMES, PoolLayout, PoolName, live_range, table_column, touched_pages
 from dspark_abi.pools import PoolBlocks
 
 
@@ -44,10 +47,10 @@ class StepPlan:
         request_ids: The step's request ids, in batch order.
         new_ids: Those the allocator did not know before the step.
         rows: [R] allocator table row of each request (provisional for new ones until the commit).
-        map_cells: Pool -> (rows, pages, blocks) the step maps.
-        release_cells: Pool -> (rows, pages, blocks) the step releases (state-ring pages out of reach).
+        map_cells: Pool -> (rows, logical pages, blocks) the step maps.
+        release_cells: Pool -> (rows, logical pages, blocks) the step releases (ring pages out of reach).
         ends: [R] cached tokens of each request after the step.
-        state_keep: State pool -> [R] first page kept after the step.
+        mapped: Pool -> ([R] first, [R] one past the last) logical page each request holds after the step.
         owner: Token of the allocator that made the plan.
         generation: The allocator's generation the plan was made on.
     """
@@ -58,7 +61,7 @@ class StepPlan:
     map_cells: dict[PoolName, Cells]
     release_cells: dict[PoolName, Cells]
     ends: np.ndarray
-    state_keep: dict[PoolName, np.ndarray]
+    mapped: dict[PoolName, tuple[np.ndarray, np.ndarray]]
     owner: object = None
     generation: int = -1
 
@@ -87,8 +90,10 @@ class BlockAllocator:
         # free stacks hold ids in descending order so that popping from the end yields ascending ids
         self._free: dict[str, np.ndarray] = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32)
                                              for p in POOL_NAMES}
-        self._tables = {p: np.full((capacity, self.layout.pools[p].table_width), -1, np.int32) for p in POOL_NAMES}
-        self._state_floor = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}  # lowest maybe-mapped page
+        self._tables = {p: np.full((capacity, _width(self.layout.pools[p])), -1, np.int32) for p in POOL_NAMES}
+        # the logical pages a request holds are always one run [first, end) (ring pools recycle its front)
+        self._first = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
+        self._end = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
         self._row_of: dict[int, int] = {}
         self._cached: dict[int, int] = {}
         self._spare_rows: list[int] = list(range(capacity - 1, -1, -1))
@@ -107,13 +112,28 @@ class BlockAllocator:
         plans made on the original are stale for the copy and vice versa."""
         with self._lock:
             clone = copy.copy(self)
-            for name in ("_free", "_tables", "_state_floor", "_row_of", "_cached", "_spare_rows"):
+            for name in ("_free", "_tables", "_first", "_end", "_row_of", "_cached", "_spare_rows"):
                 setattr(clone, name, copy.deepcopy(getattr(self, name), memo))
         clone._lock = threading.RLock()
         clone._token = object()
         return clone
 
     # ------------------------------------------------------------------ queries
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Most new tokens one request may add in one step: a longer chunk would wrap a ring table onto itself
+        (unlimited, i.e. ``max_position_embeddings``, when every ring table is as wide as the context)."""
+        narrow = any(pl.ring_width < pl.table_width for pl in self.layout if pl.is_ring)
+        return MAX_CHUNK_TOKENS if narrow else self.config.max_position_embeddings
+
+    def held_blocks(self, request_id: int) -> dict[PoolName, int]:
+        """Pool -> blocks ``request_id`` holds now (bounded by ``ring_width`` in the ring pools)."""
+        with self._lock:
+            if request_id not in self._row_of:
+                raise ABIError([_unknown(request_id)])
+            row = self._row_of[request_id]
+            return {p: int((self._tables[p][row] >= 0).sum()) for p in POOL_NAMES}
+
     def free_blocks(self, pool: str) -> int:
         with self._lock:
             return int(self._free[pool].size)
@@ -129,9 +149,12 @@ class BlockAllocator:
                 raise ABIError([_unknown(request_id)])
             return self._cached[request_id]
 
-    def table_rows(self, request_ids: Sequence[int], plan: StepPlan | None = None) -> dict[PoolName, np.ndarray]:
+    def table_rows(self, request_ids: Sequence[int], plan: StepPlan | None = None, *,
+                   widths: Mapping[str, int] | None = None) -> dict[PoolName, np.ndarray]:
         """pool -> [R, width] int32 copy of the block tables of ``request_ids`` (in that order).
 
+        Ring pools have ``ring_width`` columns, compressed pools ``table_width`` or, with ``widths``, their first
+        ``widths[pool]`` columns only (a step's trimmed tables; cost O(R * width), never O(R * context)).
         With ``plan`` (made by :meth:`plan` on this allocator, not yet committed): the tables as they will be
         once it is committed, its releases and new mappings applied; ``request_ids`` may then name the plan's
         new requests too. This is how :class:`~dspark_abi.builder.BatchBuilder` gets a step's tables. A plan
@@ -145,15 +168,21 @@ class BlockAllocator:
             if unknown:
                 raise ABIError([_unknown(request_ids[unknown[0]], index=unknown[0], count=len(unknown))])
             rows = np.array([self._row_of.get(r, planned.get(r)) for r in request_ids], dtype=np.int64)
-            tables = {p: self._tables[p][rows] for p in POOL_NAMES}
+            tables = {}
+            for p in POOL_NAMES:
+                full = self._tables[p]
+                width = full.shape[1] if widths is None or p not in widths else min(widths[p], full.shape[1])
+                tables[p] = np.take(full[:, :width], rows, axis=0)
             if plan is not None:  # the step's tables = current rows - this plan's releases + its new mappings
                 for p in POOL_NAMES:
+                    pl, table = self.layout.pools[p], tables[p]
                     r_rows, r_pages, _ = plan.release_cells[p]
                     m_rows, m_pages, m_blocks = plan.map_cells[p]
-                    at, found = _positions(rows, r_rows)
-                    tables[p][at, r_pages[found]] = -1
-                    at, found = _positions(rows, m_rows)
-                    tables[p][at, m_pages[found]] = m_blocks[found]
+                    for cell_rows, pages, blocks in ((r_rows, r_pages, None), (m_rows, m_pages, m_blocks)):
+                        at, found = _positions(rows, cell_rows)
+                        column = table_column(pl, pages[found], _width(pl))
+                        fits = column < table.shape[1]     # a trimmed table drops columns the step does not use
+                        table[at[fits], column[fits]] = -1 if blocks is None else blocks[found][fits]
             return tables
 
     # ------------------------------------------------------------------ planning
@@ -174,7 +203,7 @@ class BlockAllocator:
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         to_map: dict[PoolName, tuple[np.ndarray, np.ndarray]] = {}
         release_cells: dict[PoolName, Cells] = {}
-        state_keep: dict[PoolName, np.ndarray] = {}
+        mapped: dict[PoolName, tuple[np.ndarray, np.ndarray]] = {}
         short: list[Issue] = []
         fresh = np.isin(rows, list(provisional.values()))      # rows of requests new in this step
         for p in POOL_NAMES:
@@ -188,9 +217,7 @@ class BlockAllocator:
                                    expected=f">= {cells[0].size} free", actual=available))
                 continue
             to_map[p], release_cells[p] = cells, released
-            if pl.is_state:
-                keep = np.maximum(0, starts - pl.state_len) // pl.page_size
-                state_keep[p] = np.where(ends > starts, keep, 0)
+            mapped[p] = self._mapped_after(pl, rows, starts, ends, fresh)
         if short:
             raise ABIError(short)
         # blocks are assigned in plan order: released blocks are reused first, then the free stack
@@ -200,7 +227,7 @@ class BlockAllocator:
             pool = np.concatenate([self._free[p], release_cells[p][2][::-1].astype(np.int32)])
             blocks = pool[::-1][: r_rows.size] if r_rows.size else np.empty(0, np.int32)
             map_cells[p] = (r_rows, r_pages, blocks.astype(np.int32))
-        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, state_keep,
+        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped,
                         owner=self._token, generation=self._generation)
 
     def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
@@ -208,22 +235,36 @@ class BlockAllocator:
         """(rows, pages) of the pages the step touches that are not mapped yet (empty requests keep their
         live range mapped too)."""
         owner, page = touched_pages(pl, starts, ends, self.config.sliding_window, keep_empty=True)
-        current = np.where(fresh[owner], -1, self._tables[pl.name][rows[owner], page])
-        need = current < 0
-        return rows[owner][need], page[need]
+        row = rows[owner]
+        held = ~fresh[owner] & (page >= self._first[pl.name][row]) & (page < self._end[pl.name][row])
+        return row[~held], page[~held]
 
     def _plan_release(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                       fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        empty = (np.empty(0, np.int64),) * 3
-        if not pl.is_state:
-            return empty
-        floor = np.where(fresh, 0, self._state_floor[pl.name][rows])
-        keep_from = np.maximum(0, starts - pl.state_len) // pl.page_size
-        count = np.where((ends > starts) & ~fresh, np.maximum(keep_from - floor, 0), 0)
-        owner, page = _expand(floor, count)
-        blocks = self._tables[pl.name][rows[owner], page].astype(np.int64)
+        """The ring pages below the step's live range that earlier steps mapped (out of reach from now on)."""
+        if not pl.is_ring:
+            return (np.empty(0, np.int64),) * 3
+        first, end = self._first[pl.name][rows], self._end[pl.name][rows]
+        keep_from = np.maximum(0, starts - pl.reach) // pl.page_size
+        count = np.where((ends > starts) & ~fresh, np.clip(np.minimum(keep_from, end) - first, 0, None), 0)
+        owner, page = _expand(first, count)
+        blocks = self._tables[pl.name][rows[owner], table_column(pl, page, _width(pl))].astype(np.int64)
         mapped = blocks >= 0
         return rows[owner][mapped], page[mapped], blocks[mapped]
+
+    def _mapped_after(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                      fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([R] first, [R] one past the last) logical page each request holds once the step is committed."""
+        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
+        has = hi > lo
+        first = np.where(fresh, 0, self._first[pl.name][rows])
+        end = np.where(fresh, 0, self._end[pl.name][rows])
+        new_first = lo // pl.page_size
+        if pl.is_ring:  # the run's front is released when the request advances (or starts there when new)
+            first = np.where(has & (fresh | (end <= first)), new_first,
+                             np.where(has & (ends > starts), np.maximum(first, new_first), first))
+        end = np.where(has, np.maximum(end, (hi - 1) // pl.page_size + 1), end)
+        return first, end
 
     # ------------------------------------------------------------------ mutation
     def commit(self, plan: StepPlan) -> None:
@@ -253,15 +294,14 @@ class BlockAllocator:
             self._row_of[r] = self._spare_rows.pop()
         for p in POOL_NAMES:
             pl = self.layout.pools[p]
+            width = _width(pl)
             r_rows, r_pages, r_blocks = plan.release_cells[p]
-            self._tables[p][r_rows, r_pages] = -1
+            self._tables[p][r_rows, table_column(pl, r_pages, width)] = -1
             m_rows, m_pages, m_blocks = plan.map_cells[p]
             stack = np.concatenate([self._free[p], r_blocks[::-1].astype(np.int32)])
             self._free[p] = stack[: stack.size - m_blocks.size]
-            self._tables[p][m_rows, m_pages] = m_blocks
-            if pl.is_state:  # nothing below the first kept page is mapped any more
-                floor = self._state_floor[p]
-                floor[plan.rows] = np.maximum(floor[plan.rows], plan.state_keep[p])
+            self._tables[p][m_rows, table_column(pl, m_pages, width)] = m_blocks
+            self._first[p][plan.rows], self._end[p][plan.rows] = plan.mapped[p]
         for r, end in zip(plan.request_ids, plan.ends.tolist(), strict=True):
             self._cached[r] = int(end)
 
@@ -281,7 +321,7 @@ class BlockAllocator:
             held = table_row[table_row >= 0]
             self._free[p] = np.concatenate([self._free[p], np.sort(held)[::-1].astype(np.int32)])
             table_row[:] = -1
-            self._state_floor[p][row] = 0
+            self._first[p][row] = self._end[p][row] = 0
         self._spare_rows.append(row)
 
     def _grow(self, needed: int) -> None:  # called by plan, under the lock
@@ -291,10 +331,16 @@ class BlockAllocator:
             grown = np.full((new, self._tables[p].shape[1]), -1, np.int32)
             grown[:old] = self._tables[p]
             self._tables[p] = grown
-            floor = np.zeros(new, np.int64)
-            floor[:old] = self._state_floor[p]
-            self._state_floor[p] = floor
+            for runs in (self._first, self._end):
+                run = np.zeros(new, np.int64)
+                run[:old] = runs[p]
+                runs[p] = run
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
+
+
+def _width(pl: PoolLayout) -> int:
+    """Columns of the allocator's table of a pool: the ring width, or the whole context for compressed pools."""
+    return pl.ring_width if pl.is_ring else pl.table_width
 
 
 def _positions(rows: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -320,5 +366,6 @@ def pool_blocks_for(config: ModelConfig, contexts: Sequence[int], *, slack: int 
     need = {}
     for pl in config.layout:
         logical = ctx // pl.ratio if pl.ratio else ctx
-        need[pl.name] = int((-(-logical // pl.page_size)).sum()) + len(ctx) + slack
+        pages = np.minimum(-(-logical // pl.page_size), _width(pl))   # a request holds a ring width at most
+        need[pl.name] = int(pages.sum()) + len(ctx) + slack
     return PoolBlocks(**need)

@@ -25,7 +25,7 @@ from dspark_abi.allocator import BlockAllocator, StepPlan
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES, physical_rows, written_logical
+from dspark_abi.layout import POOL_NAMES, live_pages, physical_rows, written_logical
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.validation import EMPTY_BATCH_FIX
@@ -191,6 +191,11 @@ class BatchBuilder:
                         f"max_position_embeddings={max_pos}", f"<= {max_pos}", cached + new,
                         f"stop the request at max_position_embeddings={max_pos}: at most "
                         f"num_new={max(0, max_pos - cached)} after num_cached={cached}")
+                chunk_cap = self.allocator.max_chunk_tokens
+                if new > chunk_cap:
+                    bad(i, "num_new", f"num_new={new} is longer than the {chunk_cap} tokens one request may add in "
+                        "one step (the ring tables hold reach + that many positions)", f"<= {chunk_cap}", new,
+                        f"split the request into chunks of at most {chunk_cap} tokens over several steps")
                 if new == 0 and not self.policy.allow_empty_requests:
                     bad(i, "num_new", "zero-length request not allowed by policy", "> 0", 0,
                         "drop the request from this step or set PaddingPolicy(allow_empty_requests=True)")
@@ -248,12 +253,16 @@ class BatchBuilder:
         positions[:n] = pos
         positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
 
-        tables = self.allocator.table_rows(plan.request_ids, plan)  # as they will be once the plan is committed
+        # compressed tables trimmed to the widest live range: O(R * pages used), not O(R * max positions)
+        ends = starts + lengths
+        widths = {pl.name: max(1, int(live_pages(pl, starts, ends, self.config.sliding_window).max(initial=0)))
+                  for pl in layout if not pl.is_ring}
+        tables = self.allocator.table_rows(plan.request_ids, plan, widths=widths)  # as once the plan is committed
         slots = {}
         for p in POOL_NAMES:
             pl = layout.pools[p]
             s = np.full(p_rows, -1, dtype=np.int64)
-            s[:n] = physical_rows(tables[p], row_request, written_logical(pl, pos), pl.page_size)
+            s[:n] = physical_rows(tables[p], row_request, written_logical(pl, pos), pl.page_size, ring=pl.is_ring)
             slots[p] = s
 
         token_ids = None

@@ -35,8 +35,9 @@ CODES: dict[str, tuple[str, str]] = {
     # ---- block tables
     "tables.request_count": ("a block table's dim 0 is not R = len(query_start_loc) - 1",
                              "give every one of the seven tables exactly one row per request"),
-    "tables.width": ("a block table's width differs from the config's layout",
-                     "use ModelConfig.layout.pools[name].table_width columns"),
+    "tables.width": ("a block table is wider than the config's layout or narrower than the pages the call uses",
+                     "use ModelConfig.layout.pools[name].ring_width columns for ori and the state pools and, for the "
+                     "compressed pools, at least the pages up to the widest request's last live page"),
     "tables.block_range": ("a block-table entry read by this call is < -1 or >= the pool's block count",
                            "use -1 for unmapped pages and block ids in [0, pool_blocks)"),
     "pools.blocks": ("pool block counts are missing, not integers, not positive or too large for int32 slots",

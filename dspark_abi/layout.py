@@ -2,8 +2,11 @@
 
 Each pool is addressed by a *logical index*: the absolute token position for ``ori`` and the
 three state pools, the compressed-entry index ``c`` for ``csa_cmp``, ``idx`` and ``hca_cmp``.
-A block table row maps logical page ``i // page_size`` to a physical block (``-1`` = unmapped);
-the physical row is ``block * page_size + i % page_size``.
+Logical page ``i // page_size`` sits in a table *column*: for the compressed pools the page itself,
+for the four *ring* pools (``ori`` and the state pools, read only a bounded reach back) the page
+modulo the table's width. The column holds a physical block (``-1`` = unmapped); the physical row is
+``block * page_size + i % page_size``. At the 1.0 width (every page of the context) the modulo is the
+identity, so 1.0 tables are ring tables too.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ RATIO128_STATE_PAGE_SIZE = 8
 RATIO4_STATE_LEN = 8
 RATIO128_STATE_LEN = 128
 
+#: Longest chunk one request may add in one call (upstream's group capacity, the token all-gather window):
+#: with the reach it fixes the width of the ring tables.
+MAX_CHUNK_TOKENS = 8192
+
 #: Rows per page of each pool (fixed by the ABI, the same for every configuration).
 PAGE_SIZES: dict[PoolName, int] = {
     "ori": KV_PAGE_SIZE, "csa_cmp": KV_PAGE_SIZE, "hca_cmp": KV_PAGE_SIZE, "idx": KV_PAGE_SIZE,
@@ -51,10 +58,16 @@ class PoolLayout:
     Attributes:
         name: The pool's name (one of :data:`POOL_NAMES`).
         page_size: Rows per physical block.
-        table_width: Columns of this pool's block table: logical pages covering every position < max positions.
+        table_width: Widest block table accepted: logical pages covering every position < max positions
+            (the 1.0 width).
         ratio: 0 for per-token pools (logical index = position); 4 or 128 for compressed-entry pools.
         is_state: True for the compressor state rings (only ``state_len`` positions must survive a call).
         state_len: Positions before a chunk that the compressor reads back (state pools only, else 0).
+        reach: Positions before a chunk a call reads in a ring pool (W - 1 for ori, ``state_len`` for the
+            state pools); 0 for the compressed pools, which read their whole history.
+        ring_width: Columns of the ring table the allocator keeps and the builder emits: pages of the longest
+            live range (``reach + MAX_CHUNK_TOKENS`` positions) plus one for alignment, at most
+            ``table_width``. Equal to ``table_width`` for the compressed pools.
         row_shape: Shape of one physical row of the cache tensor(s) behind this pool.
         row_dtype: Element dtype of the main cache tensor ('bfloat16', 'int8', 'float32').
     """
@@ -67,6 +80,13 @@ class PoolLayout:
     state_len: int
     row_shape: tuple[int, ...]
     row_dtype: str
+    reach: int
+    ring_width: int
+
+    @property
+    def is_ring(self) -> bool:
+        """True for ori and the state pools: tables addressed modulo their width."""
+        return not self.ratio
 
 
 class LayoutSource(Protocol):
@@ -104,10 +124,14 @@ class CacheLayout:
 
         def kv(name: PoolName, ratio: int, row: tuple[int, ...], dtype: str) -> PoolLayout:
             width = cdiv(cdiv(mp, ratio) if ratio else mp, KV_PAGE_SIZE)
-            return PoolLayout(name, KV_PAGE_SIZE, width, ratio, False, 0, row, dtype)
+            reach = 0 if ratio else config.sliding_window - 1
+            ring = ring_width_for(width, KV_PAGE_SIZE, reach) if not ratio else width
+            return PoolLayout(name, KV_PAGE_SIZE, width, ratio, False, 0, row, dtype, reach, ring)
 
         def state(name: PoolName, page: int, slen: int, row: tuple[int, ...]) -> PoolLayout:
-            return PoolLayout(name, page, cdiv(mp, page), 0, True, slen, row, "float32")
+            width = cdiv(mp, page)
+            return PoolLayout(name, page, width, 0, True, slen, row, "float32", slen,
+                              ring_width_for(width, page, slen))
 
         pools = [
             kv("ori", 0, (d,), "bfloat16"),
@@ -137,6 +161,32 @@ class CacheLayout:
         lo, hi = live_range(self.pools[pool], np.asarray(start, np.int64), np.asarray(end, np.int64),
                             self.sliding_window)
         return (int(lo), int(hi))
+
+
+def ring_width_for(table_width: int, page_size: int, reach: int, chunk: int = MAX_CHUNK_TOKENS) -> int:
+    """Columns a ring table needs so that a live range of ``reach + chunk`` positions never wraps onto itself:
+    such a range spans at most ``ceil((reach + chunk) / page) + 1`` pages. Never more than ``table_width``."""
+    return min(table_width, cdiv(reach + chunk, page_size) + 1)
+
+
+def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> np.ndarray:
+    """[R] int64 logical pages each request's live range spans (0 for an empty request).
+
+    The narrowest table a batch may carry for pool ``pl`` has ``max(live_pages)`` columns for a ring
+    pool; for a compressed pool its columns must reach the last live page, ``max(ceil(hi / page))``.
+    """
+    start = np.asarray(start, dtype=np.int64)
+    end = np.asarray(end, dtype=np.int64)
+    lo, hi = live_range(pl, start, end, window)
+    has = (end > start) & (hi > lo)
+    first = 0 if not pl.is_ring else lo // pl.page_size
+    return np.where(has, (hi - 1) // pl.page_size - first + 1, 0)
+
+
+def table_column(pl: PoolLayout, page: np.ndarray, width: int) -> np.ndarray:
+    """Table column of logical ``page`` in a table of ``width`` columns: ``page % width`` for a ring pool,
+    the page itself for a compressed pool (whose table must then be wide enough)."""
+    return np.asarray(page) % width if pl.is_ring else np.asarray(page)
 
 
 def live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,20 +219,25 @@ def visible_entries(positions: np.ndarray, ratio: int) -> np.ndarray:
     return (np.asarray(positions, dtype=np.int64) + 1) // ratio
 
 
-def physical_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, page_size: int) -> np.ndarray:
+def physical_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, page_size: int, *, ring: bool
+                  ) -> np.ndarray:
     """The slot formula: physical rows of logical indices, each looked up in its own request's table row.
 
     table: [R, width] int block table (-1 = unmapped). request: [T] int request per row (-1 = none).
-    logical: [T] or [T, K] int logical indices (negative = none).
-    Returns int64 of ``logical``'s shape: ``table[request, logical // page_size] * page_size +
-    logical % page_size``, or -1 where the request is -1, the logical index is negative or beyond the table,
-    or the page is unmapped. -1 is never used as an index (it never wraps to the last row).
+    logical: [T] or [T, K] int logical indices (negative = none). ring: the table is a ring table
+    (``PoolLayout.is_ring``): page ``i // page_size`` sits in column ``(i // page_size) % width``.
+    Returns int64 of ``logical``'s shape: ``table[request, column] * page_size + logical % page_size``, or -1
+    where the request is -1, the logical index is negative or (not ring) beyond the table, or the page is
+    unmapped. -1 is never used as an index (it never wraps to the last row).
     """
     request = np.asarray(request, dtype=np.int64)
     logical = np.asarray(logical, dtype=np.int64)
     req = request.reshape(request.shape + (1,) * (logical.ndim - request.ndim))    # broadcast over K
+    width = table.shape[1]
     page = logical // page_size
-    ok = (req >= 0) & (logical >= 0) & (page < table.shape[1])
+    if ring and width:
+        page = page % width
+    ok = (req >= 0) & (logical >= 0) & (page < width)
     req_b, page_b = np.broadcast_arrays(req, page)
     block = np.full(logical.shape, -1, dtype=np.int64)
     block[ok] = table[req_b[ok], page_b[ok]]

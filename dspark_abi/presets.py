@@ -1,4 +1,5 @@
-"""Ready-made configurations: ``FLASH`` (DeepSeek-V4-Flash), ``DEMO`` and ``TINY``."""
+"""Ready-made configurations: ``FLASH`` (DeepSeek-V4-Flash at its 1,048,576 positions), ``FLASH_16K`` (the same
+model at the 16,384 positions of upstream's a2a3 fixtures), ``DEMO``, ``TINY`` and ``TINY_1M``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from dspark_abi.config import ModelConfig, MoEConfig, RopeScaling
 
 _FLASH_YARN = RopeScaling(factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0, beta_slow=1.0)
 
-#: DeepSeek-V4-Flash: 43 layers (SWA 0-1, then CSA/HCA alternating, CSA last), 16384 positions
-#: as upstream's a2a3 kernels size their tables.
+#: The model's real depth: YaRN factor 16 over the original 65,536 positions.
+REAL_MAX_POSITIONS = 1_048_576
+
+#: DeepSeek-V4-Flash: 43 layers (SWA 0-1, then CSA/HCA alternating, CSA last) at its 1,048,576 positions.
 FLASH = ModelConfig(
     name="flash",
     hidden_size=4096, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
@@ -15,18 +18,20 @@ FLASH = ModelConfig(
     index_n_heads=64, index_head_dim=128, index_topk=512,
     compress_ratios=(0, 0) + (4, 128) * 20 + (4,),
     rope_theta=10000.0, compress_rope_theta=160000.0, rope_scaling=_FLASH_YARN,
-    max_position_embeddings=16384, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, vocab_size=129280,
+    max_position_embeddings=REAL_MAX_POSITIONS, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, vocab_size=129280,
     moe=MoEConfig(n_routed_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048, n_shared_experts=1,
                   num_hash_layers=3, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0),
 )
 
-#: Upstream's DEMO: FLASH head sizes, 8 layers, 4096 positions, compress theta 40000 without YaRN.
+#: FLASH at the 16,384 positions upstream's a2a3 fixtures size their tables for (its goldens use this depth).
+FLASH_16K = FLASH.model_copy(update={"name": "flash-16k", "max_position_embeddings": 16384})
+
+#: Upstream's DEMO (FLASH head sizes, 8 layers, compress theta 40000 without YaRN), scaled to the real depth.
 DEMO = FLASH.model_copy(update={
     "name": "demo",
     "compress_ratios": (0, 0, 4, 128, 4, 128, 4, 0),
     "compress_rope_theta": 40000.0,
     "rope_scaling": RopeScaling(factor=40.0, original_max_position_embeddings=0, beta_fast=32.0, beta_slow=1.0),
-    "max_position_embeddings": 4096,
     "moe": FLASH.moe.model_copy(update={"n_routed_experts": 16, "num_experts_per_tok": 2}),
 })
 
@@ -43,7 +48,11 @@ TINY = ModelConfig(
                   num_hash_layers=1, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0),
 )
 
-PRESETS: dict[str, ModelConfig] = {"flash": FLASH, "demo": DEMO, "tiny": TINY}
+#: TINY's heads at the real depth: 1M-position tables (ring and trimmed) on any CPU.
+TINY_1M = TINY.model_copy(update={"name": "tiny-1m", "max_position_embeddings": REAL_MAX_POSITIONS})
+
+PRESETS: dict[str, ModelConfig] = {"flash": FLASH, "flash-16k": FLASH_16K, "demo": DEMO, "tiny": TINY,
+                                   "tiny-1m": TINY_1M}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -14,7 +14,16 @@ import numpy as np
 
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import Issue
-from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, physical_rows, touched_pages, written_logical
+from dspark_abi.layout import (
+    POOL_NAMES,
+    PoolLayout,
+    PoolName,
+    live_pages,
+    physical_rows,
+    table_column,
+    touched_pages,
+    written_logical,
+)
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 
@@ -80,6 +89,8 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
     ok_req = request_ok & nonempty
     for pool in POOL_NAMES:
         pl = layout.pools[pool]
+        if not _check_width(issues, pl, tables[pool], start, np.where(ok_req, end, start), config.sliding_window):
+            continue
         owners = _check_pages(issues, pl, blocks[pool], tables[pool], start, end, ok_req, config.sliding_window)
         _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n], pos, row_request, live, owners)
 
@@ -113,6 +124,23 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
         nonzero = np.any(hidden[n:].reshape(pad.size, -1) != 0, axis=1)
         _flag(issues, "padding.hidden", "hidden", nonzero, "padding rows of the hidden state must be zero",
               index_of=pad, expected=0.0, actual="nonzero row")
+
+
+def _check_width(issues: list[Issue], pl: PoolLayout, table: np.ndarray, start: np.ndarray, end: np.ndarray,
+                 window: int) -> bool:
+    """False (with a ``tables.width`` issue) when the table is too narrow for the pages this call uses: a ring
+    table narrower than a request's live range would wrap onto itself, a trimmed compressed table must reach
+    the last live page."""
+    need = live_pages(pl, start, end, window)
+    short = need > table.shape[1]
+    if not short.any():
+        return True
+    kind = "live pages of the request's range (a ring table must not wrap onto itself)" if pl.is_ring else \
+        "columns up to the request's last live page"
+    _flag(issues, "tables.width", TABLE_FIELDS[pl.name], short,
+          f"table has {table.shape[1]} columns, fewer than the {kind}", request_of=np.arange(short.size),
+          expected=need, actual=table.shape[1])
+    return False
 
 
 class _Owners:
@@ -182,7 +210,7 @@ def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
     """
     name = TABLE_FIELDS[pl.name]
     req, page = touched_pages(pl, start, np.where(use, end, start), window)   # a request not in use: empty
-    blk = table[req, page].astype(np.int64)
+    blk = table[req, table_column(pl, page, table.shape[1])].astype(np.int64)
     _flag(issues, "coverage.unmapped", name, blk == -1,
           f"page read or written by this call is unmapped (logical {pl.name} indices [lo, hi) of the request)",
           index_of=page, request_of=req, expected="mapped block", actual=blk)
@@ -212,10 +240,10 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
               f"only tokens with (p+1) % {pl.ratio} == 0 write this pool", request_of=row_request, expected=-1,
               actual=slot)
     w = np.flatnonzero(live & (logical >= 0))
-    expected = physical_rows(table, row_request[w], logical[w], ps)
+    expected = physical_rows(table, row_request[w], logical[w], ps, ring=pl.is_ring)
     ok_blk = (expected >= 0) & (expected < n_rows)                 # unmapped / bad blocks already reported
     _flag(issues, "slots.mismatch", name, ok_blk & (slot[w] != expected) & ~out_of_range[w],
-          "slot must equal table[request, logical // page] * page_size + logical % page_size",
+          "slot must equal table[request, column of logical // page] * page_size + logical % page_size",
           index_of=w, request_of=row_request[w], expected=expected, actual=slot[w])
 
     written = np.flatnonzero((slot >= 0) & ~out_of_range)

@@ -28,7 +28,7 @@ from dspark_abi.allocator import BlockAllocator
 from dspark_abi.batch import PackedBatch
 from dspark_abi.builder import BatchBuilder
 from dspark_abi.config import ModelConfig
-from dspark_abi.layout import POOL_NAMES, PoolName, touched_pages
+from dspark_abi.layout import POOL_NAMES, PoolName, table_column, touched_pages
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 from dspark_abi.presets import TINY
@@ -108,11 +108,11 @@ def _requests_with(b: PackedBatch, min_len: int) -> np.ndarray:
 
 
 def _touched_pages(b: PackedBatch, pool: PoolName, r: int) -> np.ndarray:
-    """Logical pages of ``pool`` request ``r`` reads or writes in the call (ascending)."""
+    """Table columns of the logical pages of ``pool`` request ``r`` reads or writes in the call (in page order)."""
     start = b.request_starts[r:r + 1]
-    _, pages = touched_pages(b.config.layout.pools[pool], start, start + b.request_lengths[r:r + 1],
-                             b.config.sliding_window)
-    return pages
+    pl = b.config.layout.pools[pool]
+    _, pages = touched_pages(pl, start, start + b.request_lengths[r:r + 1], b.config.sliding_window)
+    return np.asarray(table_column(pl, pages, b.tables[pool].shape[1]))
 
 
 def _page_size(b: PackedBatch, pool: PoolName) -> int:
@@ -164,7 +164,7 @@ def _m_request_count(a: Arrays, b: PackedBatch, rng: np.random.Generator) -> Ext
 
 def _m_width(a: Arrays, b: PackedBatch, rng: np.random.Generator) -> Extra:
     f = TABLE_FIELDS[POOL_NAMES[int(rng.integers(7))]]
-    a[f] = np.concatenate([a[f], np.full((a[f].shape[0], 1), -1, np.int32)], axis=1)
+    a[f] = a[f][:, :0]       # no column at all (a table wider than the layout's is the other way to break it)
     return {}
 
 

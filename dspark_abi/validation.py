@@ -68,9 +68,13 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
         if n_req is not None and t.shape[0] != n_req:
             issues.append(Issue("tables.request_count", TABLE_FIELDS[p],
                                 "dim 0 must equal R = len(query_start_loc) - 1", expected=n_req, actual=t.shape[0]))
-        if t.shape[1] != layout.pools[p].table_width:
-            issues.append(Issue("tables.width", TABLE_FIELDS[p], f"width must match {config.name}'s layout",
-                                expected=layout.pools[p].table_width, actual=t.shape[1]))
+        if not 1 <= t.shape[1] <= layout.pools[p].table_width:
+            issues.append(Issue("tables.width", TABLE_FIELDS[p],
+                                f"width must be between 1 and {config.name}'s full table width",
+                                expected=f"1..{layout.pools[p].table_width}", actual=t.shape[1],
+                                fix=f"give {TABLE_FIELDS[p]} at most {layout.pools[p].table_width} columns (ring "
+                                    f"width {layout.pools[p].ring_width} for ring pools, the widest live range for "
+                                    "compressed pools)"))
     request_ids = _array(arrays, "request_ids", np.int64, 1, issues, rows=n_req, required=False)
     token_ids = _array(arrays, "token_ids", np.int64, 1, issues, rows=rows, required=False)
     logit_rows = _array(arrays, "logit_rows", np.int32, 1, issues, required=False)

@@ -65,4 +65,4 @@ def window_state_rows(positions: np.ndarray, request: np.ndarray, state_table: n
     """
     b = boundary_rows(positions, request, ratio) if boundaries is None else np.asarray(boundaries, np.int64)
     pos = window_positions(np.asarray(positions, dtype=np.int64)[b], ratio)
-    return b, physical_rows(state_table, np.asarray(request)[b], pos, page_size)
+    return b, physical_rows(state_table, np.asarray(request)[b], pos, page_size, ring=True)

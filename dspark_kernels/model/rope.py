@@ -7,9 +7,8 @@ Frequencies per layer kind:
   ``compress_rope_theta`` with the YaRN correction of ``config.rope_scaling``, applied whenever
   ``original_max_position_embeddings > 0`` (regardless of the sequence length), none otherwise.
 
-Angle tables ``positions * omega`` are built in float32 over ``[0, max_position_embeddings)`` and
-gathered at arbitrary positions. In ``"a2a3"`` precision the cos/sin tables are bf16, as the kernels
-receive them.
+Angles ``position * omega`` are computed in float32 at the positions a call needs (O(positions x rd/2), never
+a table over all 1,048,576 positions). In ``"a2a3"`` precision cos/sin are bf16, as the kernels receive them.
 """
 
 from __future__ import annotations
@@ -46,25 +45,21 @@ def inverse_frequencies(config: ModelConfig, kind: LayerKind) -> np.ndarray:
 
 
 @lru_cache(maxsize=16)
-def rope_table(config: ModelConfig, kind: LayerKind) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin), each [max_position_embeddings, rd/2] float32, read-only; row p holds angle p * omega."""
+def _omega(config: ModelConfig, kind: LayerKind) -> np.ndarray:
     omega = inverse_frequencies(config, kind)
-    angles = np.arange(config.max_position_embeddings, dtype=np.float32)[:, None] * omega[None, :]  # (S, rd/2)
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    cos.flags.writeable = False
-    sin.flags.writeable = False
-    return cos, sin
+    omega.flags.writeable = False
+    return omega
 
 
 def rope_at(config: ModelConfig, kind: LayerKind, positions: np.ndarray,
             precision: Precision = "fp32") -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [T, rd/2] float32 gathered at ``positions`` [T] (bf16-valued in ``"a2a3"``).
+    """cos, sin [*positions.shape, rd/2] float32 of angles ``float32(p) * omega`` (bf16-valued in ``"a2a3"``).
 
-    positions must lie in [0, max_position_embeddings); the caller validates them.
+    positions must lie in [0, max_position_embeddings); the caller validates them. Positions up to 2**24 are
+    exact in float32, so the angle is the same float32 product a table row would hold.
     """
-    cos, sin = rope_table(config, kind)
-    idx = np.asarray(positions, dtype=np.int64)
-    return narrow(cos[idx], precision), narrow(sin[idx], precision)
+    angles = np.asarray(positions, dtype=np.int64).astype(np.float32)[..., None] * _omega(config, kind)
+    return narrow(np.cos(angles), precision), narrow(np.sin(angles), precision)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, inverse: bool = False,

@@ -20,10 +20,10 @@ def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarr
                        page_size: int = KV_PAGE_SIZE) -> np.ndarray:
     """[T, Vmax] int64 rows of entries ``c < visible[t]`` (visible: [T] counts, 0 on padding rows); -1 beyond."""
     c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
-    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size)
+    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
 
 
 def chosen_entry_rows(entries: np.ndarray, request: np.ndarray, table: np.ndarray,
                       page_size: int = KV_PAGE_SIZE) -> np.ndarray:
     """[T, K] int64 rows of the logical entries [T, K] each row chose (-1 = none)."""
-    return physical_rows(table, request, entries, page_size)
+    return physical_rows(table, request, entries, page_size, ring=False)

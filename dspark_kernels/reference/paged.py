@@ -1,7 +1,8 @@
 """Stage 3 (reference): paged cache writes through slot mappings, and row gathers from a pool.
 
 A pool is a flat array ``[blocks * page_size, ...]``. A block-table row maps logical page ``i // page_size``
-to a physical block (``-1`` = unmapped); the physical row of logical index ``i`` is
+(in column ``page % width`` of a ring pool's table) to a physical block (``-1`` = unmapped); the physical row
+of logical index ``i`` is
 ``block * page_size + i % page_size`` (the ABI's slot formula, :func:`dspark_abi.layout.physical_rows`).
 ``-1`` is never used as an index: it never wraps to the last row.
 """
@@ -16,9 +17,12 @@ from dspark_abi.layout import physical_rows
 NO_ROW = -1
 
 
-def request_rows(table_row: np.ndarray, logical: np.ndarray, page_size: int) -> np.ndarray:
-    """Physical rows [K] int64 of logical indices [K] through ONE request's table row [width]; -1 if unmapped."""
-    return physical_rows(table_row[None, :], np.zeros(1, np.int64), np.asarray(logical)[None, :], page_size)[0]
+def request_rows(table_row: np.ndarray, logical: np.ndarray, page_size: int, *, ring: bool = False) -> np.ndarray:
+    """Physical rows [K] int64 of logical indices [K] through ONE request's table row [width]; -1 if unmapped.
+
+    ring: the row is a ring table's (ori, state pools); the default suits the compressed pools."""
+    return physical_rows(table_row[None, :], np.zeros(1, np.int64), np.asarray(logical)[None, :], page_size,
+                         ring=ring)[0]
 
 
 def scatter_rows(pool: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:

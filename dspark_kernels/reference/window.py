@@ -18,7 +18,7 @@ def window_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarra
 
     positions: [T] int, absolute in-request position p of each query row.
     request: [T] int, request of each row; -1 = padding row.
-    ori_table: [R, width] int32 ori block table.
+    ori_table: [R, width] int32 ori ring table (page ``i // page_size`` in column ``page % width``).
     Returns [T, W] int64. With ``v = min(W, p + 1)``, column k < v holds the row of key position
     ``p + 1 - v + k``; columns >= v, padding rows and unmapped pages hold -1.
     """
@@ -26,5 +26,5 @@ def window_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarra
     k = np.arange(window, dtype=np.int64)[None, :]                       # (1, W)
     visible = np.minimum(window, p + 1)                                  # (T, 1)
     key_pos = np.where(k < visible, p + 1 - visible + k, -1)             # (T, W)
-    rows = physical_rows(ori_table, request, key_pos, page_size)
+    rows = physical_rows(ori_table, request, key_pos, page_size, ring=True)
     return np.where(k < visible, rows, NO_ROW)

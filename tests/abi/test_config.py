@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from dspark_abi import ABIError, ModelConfig
-from dspark_abi.presets import DEMO, FLASH, TINY, get_preset
+from dspark_abi.presets import DEMO, FLASH, FLASH_16K, TINY, get_preset
 
 FLASH_HF = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 4096,
@@ -15,7 +15,7 @@ FLASH_HF = {
     "rope_theta": 10000, "compress_rope_theta": 160000,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
                      "beta_slow": 1},
-    "max_position_embeddings": 16384, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "vocab_size": 129280,
+    "max_position_embeddings": 1048576, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "vocab_size": 129280,
     "n_routed_experts": 256, "num_experts_per_tok": 6, "moe_intermediate_size": 2048, "n_shared_experts": 1,
     "num_hash_layers": 3, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
     "norm_topk_prob": True,
@@ -41,8 +41,12 @@ def test_inconsistent_dims_rejected():
 
 
 def test_flash_layout_matches_upstream_table_widths():
-    widths = [p.table_width for p in FLASH.layout]
-    assert widths == [512, 128, 4, 128, 8192, 8192, 2048]
+    # at upstream's fixture depth the full widths are its kernels' table widths
+    assert [p.table_width for p in FLASH_16K.layout] == [512, 128, 4, 128, 8192, 8192, 2048]
+    # at the real depth: full widths ceil(2**20 / 32), ceil(2**18 / 32), ... and ring widths for the ring pools,
+    # ceil((reach + 8192) / page) + 1 with reach W - 1 = 127 (ori) and state_len 8 / 8 / 128
+    assert [p.table_width for p in FLASH.layout] == [32768, 8192, 256, 8192, 524288, 524288, 131072]
+    assert [p.ring_width for p in FLASH.layout if p.is_ring] == [261, 4101, 4101, 1041]
     assert [p.page_size for p in FLASH.layout] == [32, 32, 32, 32, 2, 2, 8]
     assert [p.state_len for p in FLASH.layout if p.is_state] == [8, 8, 128]
     assert FLASH.layout.pools["csa_state"].row_shape == (2048,)

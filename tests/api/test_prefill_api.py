@@ -1,8 +1,10 @@
 """`dspark_kernels.prefill`: validates everything first, leaves caches and inputs bit-for-bit unchanged on
 any error (including a backend failing half-way), and returns per-request views."""
 
+import attrs
 import numpy as np
 import pytest
+from tolerances import assert_close, forward_reductions, order_atol
 
 import dspark_kernels.api as prefill_module
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy
@@ -158,19 +160,14 @@ def test_pool_exhaustion_mid_run_leaves_caches_and_tables_intact(weights):
     step(b, roomy_caches, 0, 0, prompt[:40])
     expected = step(b, roomy_caches, 0, 40, prompt[40:])
 
-    tight = BlockAllocator(TINY, roomy.pool_blocks)            # same sizes ...
+    # the same sizes, except that ori holds just the first two steps' window pages (2 + 2 blocks): the third step
+    # needs ori page 2 (positions 64..79) while page 0 is still inside position 40's window, so it is refused
+    tight = BlockAllocator(TINY, attrs.evolve(roomy.pool_blocks, ori=4))
     caches = ModelCaches.allocate(TINY, tight.pool_blocks)
     b = BatchBuilder(TINY, PaddingPolicy(), tight)
     step(b, caches, 1, 0, other)
     step(b, caches, 0, 0, prompt[:40])
-    hog = BatchBuilder(TINY, PaddingPolicy(), tight)           # ... but a third request takes what is left
-    hog.add(2, num_cached=0, num_new=1)
-    while True:
-        try:
-            hog.build()
-        except ABIError:
-            break
-        hog.add(2, num_cached=tight.cached_tokens(2), num_new=16)
+    assert tight.free_blocks("ori") == 0
     before = _state(caches)
     free_before = {p: tight.free_blocks(p) for p in ("ori", "csa_cmp", "hca_cmp", "idx", "csa_state")}
     with pytest.raises(ABIError) as err:
@@ -179,10 +176,13 @@ def test_pool_exhaustion_mid_run_leaves_caches_and_tables_intact(weights):
     _assert_unchanged(caches, before)
     assert {p: tight.free_blocks(p) for p in free_before} == free_before
     assert tight.cached_tokens(0) == 40
-    tight.release(2)                                           # the finished request frees its blocks
+    tight.release(1)                                           # the finished request frees its blocks
     b.clear()
     result = step(b, caches, 0, 40, prompt[40:])
-    np.testing.assert_array_equal(result.hidden, expected.hidden)  # physical blocks never change the math
+    # other physical blocks only reorder the keys a tile sums over (the tile's key union is sorted by physical
+    # row): two summation orders along the forward's reduction chain, within eps32 * sqrt(K) * max|ref|
+    assert_close(result.hidden, expected.hidden, order_atol(expected.hidden, forward_reductions(TINY)),
+                 "hidden after a refused and retried step")
 
 
 @pytest.mark.parametrize("layers", [[1.5], ["1"], 3, [True], [np.float64(2.0)]], ids=repr)

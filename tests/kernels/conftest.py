@@ -57,7 +57,9 @@ def logical_rows(batch: PackedBatch, request: int, pool: str, logical: np.ndarra
     pl = batch.config.layout.pools[pool]
     table = batch.tables[pool][request]
     logical = np.asarray(logical, dtype=np.int64)
-    block = table[logical // pl.page_size].astype(np.int64)
+    page = logical // pl.page_size
+    column = page % table.size if pl.is_ring else page    # ring pools (ori, state): the page modulo the width
+    block = table[column].astype(np.int64)
     return np.where(block >= 0, block * pl.page_size + logical % pl.page_size, -1)
 
 

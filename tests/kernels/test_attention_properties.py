@@ -26,7 +26,7 @@ from tolerances import attention_reductions, order_rel
 from dspark_abi.presets import TINY
 from dspark_kernels import LayerCaches, attention
 
-from .conftest import TINY_POOLS, build, clone, hidden_rows, new_allocator, rel_err, sequence, written_by
+from .conftest import TINY_POOLS, build, clone, hidden_rows, logical_rows, new_allocator, rel_err, sequence, written_by
 
 FP32_TOL = order_rel(attention_reductions(TINY))
 A2A3_TOL = 2.0**-6
@@ -97,12 +97,11 @@ def logical_state(caches, batch, request, length):
     out = {}
     for pool in WRITTEN[caches.kind]:
         pl = layout[pool]
-        lo = max(0, length - pl.state_len) if pl.is_state else 0
+        lo = max(0, length - pl.reach) if pl.is_ring else 0   # ring pools keep only their reach
         hi = length // pl.ratio if pl.ratio else length
-        logical = np.arange(lo, hi)
-        block = batch.tables[pool][request][logical // pl.page_size].astype(np.int64)
-        assert np.all(block >= 0), pool
-        out[pool] = getattr(caches, pool)[block * pl.page_size + logical % pl.page_size].astype(np.float32)
+        rows = logical_rows(batch, request, pool, np.arange(lo, hi))
+        assert np.all(rows >= 0), pool
+        out[pool] = getattr(caches, pool)[rows].astype(np.float32)
     return out
 
 

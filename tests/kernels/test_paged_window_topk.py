@@ -18,7 +18,10 @@ def test_physical_rows_hand_case():
     request = np.array([0, 1, -1])
     logical = np.array([[0, 33, 70, 100], [5, 40, 64, -1], [0, 1, 2, 3]])
     want = np.array([[96, -1, 6, -1], [37, 72, -1, -1], [-1, -1, -1, -1]])  # page 3 is beyond the table
-    np.testing.assert_array_equal(physical_rows(table, request, logical, 32), want)
+    np.testing.assert_array_equal(physical_rows(table, request, logical, 32, ring=False), want)
+    # a ring table of 3 columns: page 3 (logical 100) sits in column 0, page 2 in column 2
+    ring = np.array([[96, -1, 6, 100], [37, 72, -1, -1], [-1, -1, -1, -1]])
+    np.testing.assert_array_equal(physical_rows(table, request, logical, 32, ring=True), ring)
 
 
 def test_scatter_and_gather_never_wrap():

@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tolerances import EPS32, assert_close
 
-from dspark_abi.presets import DEMO, FLASH, TINY
+from dspark_abi.presets import DEMO, FLASH, TINY, TINY_1M
 from dspark_kernels.model.numerics import bf16_round
-from dspark_kernels.model.rope import apply_rope, inverse_frequencies, rope_at, rope_table
+from dspark_kernels.model.rope import apply_rope, inverse_frequencies, rope_at
 
 
 def test_flash_yarn_ramp():
@@ -29,13 +29,25 @@ def test_swa_and_no_yarn_profiles():
     np.testing.assert_allclose(inverse_frequencies(DEMO, "hca"), 1.0 / 4e4 ** (np.arange(0, 64, 2) / 64), rtol=1e-6)
 
 
-def test_tables_and_bf16_gather():
-    cos, _sin = rope_table(TINY, "csa")
-    assert cos.shape == (TINY.max_position_embeddings, 32) and not cos.flags.writeable
-    c, s = rope_at(TINY, "csa", np.array([0, 5, 4095]), "a2a3")
+def test_angles_at_positions_and_bf16_gather():
+    omega = inverse_frequencies(TINY, "csa")
+    pos = np.array([0, 5, 4095])
+    cos, _ = rope_at(TINY, "csa", pos)
+    # the angle is the float32 product p * omega (exact for p < 2**24), whatever positions are asked together
+    np.testing.assert_array_equal(cos, np.cos(pos.astype(np.float32)[:, None] * omega[None, :]))
+    np.testing.assert_array_equal(rope_at(TINY, "csa", pos[1:2])[0][0], cos[1])
+    c, s = rope_at(TINY, "csa", pos, "a2a3")
     np.testing.assert_array_equal(c[0], 1.0)
-    np.testing.assert_allclose(c[1], cos[5], rtol=2**-8)  # round to nearest bf16: <= 2**-8 relative, exactly
+    np.testing.assert_allclose(c[1], cos[1], rtol=2**-8)  # round to nearest bf16: <= 2**-8 relative, exactly
     np.testing.assert_array_equal(bf16_round(s), s)
+
+
+def test_angles_at_the_real_depth_cost_only_the_positions_asked():
+    top = TINY_1M.max_position_embeddings - 1
+    cos, sin = rope_at(TINY_1M, "hca", np.array([top, 16384]))
+    assert cos.shape == (2, 32) and np.isfinite(cos).all()
+    # cos^2 + sin^2 = 1 within two fp32 roundings of values <= 1 (<= 4 eps32)
+    assert_close(cos**2 + sin**2, np.ones_like(cos), 4 * EPS32, "unit circle")
 
 
 def test_rotation_against_complex_loop():
