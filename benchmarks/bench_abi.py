@@ -1,103 +1,181 @@
-"""ABI costs at serving scale: builder, full validation, and the O(L+R) lowering vs the nested scan.
+"""Host metadata costs of one serving step at the model's real depth, and at upstream's 16K fixture depth.
 
-    python benchmarks/bench_abi.py            # N = 8192, R = 512, TP = 4, FLASH config
-    python benchmarks/bench_abi.py --quick    # smaller repeat counts (smoke run)
+    python benchmarks/bench_abi.py            # both scenarios, 15 repeats
+    python benchmarks/bench_abi.py --quick    # 3 repeats (smoke run)
 
-All timings are medians of repeated runs in this one process, printed side by side, so the
-ratios are meaningful on a noisy shared machine even when the absolute numbers drift.
+Scenario "1m": FLASH at 1,048,576 positions, N = 8192 new tokens over R = 64 continuing requests (ragged chunks,
+ragged cached contexts up to 1M), TP = 4. Scenario "16k": FLASH_16K, N = 8192 over R = 512 requests.
+Every figure is a median of repeated runs in this one process, printed beside the memory-bandwidth floor of
+the bytes it must write (those bytes / a large np.copyto's bandwidth measured in the same run), so the
+ratios stay meaningful on a noisy shared machine even when the absolute numbers drift.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks, validate
+from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PaddingPolicy, validate
+from dspark_abi.allocator import pool_blocks_for
+from dspark_abi.incremental import StepValidator
+from dspark_abi.layout import POOL_NAMES
 from dspark_abi.lowering import lower_local_request_ids, nested_scan_local_request_ids
-from dspark_abi.presets import FLASH
+from dspark_abi.presets import FLASH, FLASH_16K
 
 
-def median_seconds(fn, repeat: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``fn(setup())`` (``fn()`` without setup); setup runs outside the timed region."""
     times = []
     for _ in range(repeat):
+        arg = setup() if setup else None
         t0 = time.perf_counter()
-        fn()
+        fn(arg) if setup else fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def make_step(n_tokens: int, n_requests: int, tp: int, seed: int = 0):
-    """A serving step: R requests with ragged new-token counts summing to N, each after a ragged context."""
+def bandwidth(nbytes: int = 256 * 2**20, repeat: int = 7) -> float:
+    """Bytes per second one large copy writes on this machine now."""
+    src = np.ones(nbytes // 8, dtype=np.int64)
+    dst = np.empty_like(src)
+    return nbytes / median_seconds(lambda: np.copyto(dst, src), repeat)
+
+
+def ragged_step(config: ModelConfig, n_tokens: int, n_requests: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(new tokens [R], cached tokens [R]): ragged chunks summing to N after ragged contexts."""
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.choice(np.arange(1, n_tokens), n_requests - 1, replace=False))
     lengths = np.diff(np.concatenate([[0], cuts, [n_tokens]]))
-    cached = rng.integers(0, FLASH.max_position_embeddings - lengths.max() - 1, n_requests)
-    cached = np.minimum(cached, FLASH.max_position_embeddings - lengths)
-    return lengths.tolist(), cached.tolist()
+    cached = rng.integers(1, config.max_position_embeddings - lengths)
+    return lengths, cached
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    repeat = 3 if args.quick else 15
-    lengths, cached = make_step(args.tokens, args.requests, args.tp)
-    policy = PaddingPolicy(tp_size=args.tp)
-    # pools big enough for every request's touched pages (window, compressed history, state history)
-    blocks = PoolBlocks(**{pl.name: args.requests * (pl.table_width if not pl.is_state else
-                                                     (pl.state_len + max(lengths)) // pl.page_size + 2) + 64
-                           for pl in FLASH.layout})
+class Step:
+    """A serving loop one step before the measured one: the allocator holds every request's history (mapped by
+    an earlier one-token step) and a StepValidator has accepted that step."""
 
-    # the allocator persists across serving steps: create them outside the timed region
-    allocators = [BlockAllocator(FLASH, blocks, capacity=args.requests) for _ in range(repeat + 1)]
+    def __init__(self, config: ModelConfig, n_tokens: int, n_requests: int, tp: int):
+        self.config, self.policy = config, PaddingPolicy(tp_size=tp)
+        self.lengths, cached = ragged_step(config, n_tokens, n_requests)
+        self.cached = cached
+        blocks = pool_blocks_for(config, cached + self.lengths, slack=64)
+        self.allocator = BlockAllocator(config, blocks, capacity=n_requests)
+        ids = list(range(n_requests))
+        plan = self.allocator.plan(ids, cached - 1, cached - 1)      # the history, as earlier steps mapped it
+        self.allocator.commit(plan)
+        self.warm = self.build(self.allocator, np.ones(n_requests, np.int64), cached - 1)
+        self.validator = self.primed()
 
-    def build():
-        builder = BatchBuilder(FLASH, policy, allocators.pop())
-        for rid, (new, ctx) in enumerate(zip(lengths, cached, strict=True)):
+    def primed(self) -> StepValidator:
+        """A StepValidator that accepted the warm-up step (the state a serving loop's validator is in)."""
+        validator = StepValidator(self.config, self.policy, self.allocator.pool_blocks)
+        if not validator.validate(self.warm).ok:
+            raise SystemExit("the warm-up step is invalid")
+        return validator
+
+    def build(self, allocator: BlockAllocator, lengths: np.ndarray, cached: np.ndarray,
+              validator: StepValidator | None = None) -> Any:
+        builder = BatchBuilder(self.config, self.policy, allocator, validator=validator)
+        for rid, (new, ctx) in enumerate(zip(lengths.tolist(), cached.tolist(), strict=True)):
             builder.add(rid, num_cached=ctx, num_new=new)
         return builder.build()
 
-    batch = build()
-    report = validate(batch)
-    if not report.ok:
-        raise SystemExit(str(report))
-    t_build = median_seconds(build, repeat)
-    t_copy = median_seconds(lambda: [t.copy() for _, t in batch.tables.items()], repeat)
-    t_validate = median_seconds(lambda: validate(batch), repeat)
-    t_shape = median_seconds(lambda: validate(batch, level="shape"), repeat)
-    table_mb = sum(t.nbytes for _, t in batch.tables.items()) / 2**20
+    def fresh(self) -> tuple[BlockAllocator, StepValidator]:
+        return copy.deepcopy(self.allocator), self.primed()
+
+    def measured(self, validator: bool) -> Any:
+        alloc, check = self.fresh()
+        return self.build(alloc, self.lengths, self.cached, check if validator else None)
+
+
+def row(label: str, seconds: float, nbytes: int | None, bw: float, note: str = "") -> None:
+    floor = f"{seconds / (nbytes / bw):7.1f}x floor of {nbytes / 2**20:6.2f} MiB" if nbytes else " " * 32
+    print(f"  {label:<44} {seconds * 1e3:8.2f} ms  {floor}  {note}")
+
+
+def scenario(name: str, config: ModelConfig, n_tokens: int, n_requests: int, tp: int, repeat: int, bw: float
+             ) -> None:
+    step = Step(config, n_tokens, n_requests, tp)
+    batch = step.measured(validator=False)
+    arrays = batch.to_arrays()
+    meta = sum(a.nbytes for a in arrays.values())
+    tables = {p: batch.tables[p].shape[1] for p in POOL_NAMES}
+    print(f"{name}: {config.name}  N={batch.num_tokens}  R={batch.num_requests}  TP={tp}  "
+          f"contexts up to {int(step.cached.max()):,}  metadata {meta / 2**20:.2f} MiB per step")
+    print(f"  table widths {tables}")
+    if not validate(batch).ok or not step.validator.validate(batch).ok:
+        raise SystemExit("the measured step is invalid")
+
+    def incremental(state: tuple[BlockAllocator, StepValidator]) -> None:
+        state[1].validate(batch)
+
+    row("build, incremental validation (serving loop)",
+        median_seconds(lambda state: step.build(state[0], step.lengths, step.cached, state[1]), repeat, step.fresh),
+        meta, bw)
+    row("build, full validation", median_seconds(lambda state: step.build(state[0], step.lengths, step.cached),
+                                                 repeat, step.fresh), meta, bw)
+    row("validate, full (stateless)", median_seconds(lambda: validate(batch), repeat), meta, bw, "(reads)")
+    row("validate, incremental", median_seconds(incremental, repeat, step.fresh), meta, bw, "(reads)")
+    row("validate, shape level", median_seconds(lambda: validate(batch, level="shape"), repeat), None, bw)
 
     qsl, local = batch.query_start_loc, batch.local_rows
-    bases = [r * local for r in range(args.tp)]
+    bases = [r * local for r in range(tp)]
     t_fast = median_seconds(lambda: [lower_local_request_ids(qsl, b, local) for b in bases], repeat * 4)
     t_nested = median_seconds(lambda: [nested_scan_local_request_ids(qsl, b, local) for b in bases], repeat)
+    print(f"  lower_local_request_ids (all ranks) {t_fast * 1e6:8.1f} us; nested O(L*R) scan {t_nested * 1e6:8.1f} us"
+          f" ({t_nested / t_fast:.1f}x)")
 
-    def python_scan():  # the scalar double loop a kernel without vector ops would run, on one rank
-        ids = [-1] * local
-        q = qsl.tolist()
-        for i in range(local):
-            for r in range(len(q) - 1):
-                if q[r] <= bases[-1] + i < q[r + 1]:
-                    ids[i] = r
-        return ids
 
-    t_python = median_seconds(python_scan, 1) * args.tp
+def allocator_construction(config: ModelConfig, requests: int, repeat: int, bw: float) -> None:
+    blocks = pool_blocks_for(config, [config.max_position_embeddings] * requests)
+    probe = BlockAllocator(config, blocks, capacity=requests)
+    nbytes = sum(t.nbytes for t in probe._tables.values())  # noqa: SLF001 - the bytes construction must write
+    nbytes += sum(f.nbytes for f in probe._free.values())   # noqa: SLF001
+    row(f"allocator construction, {requests} requests",
+        median_seconds(lambda: BlockAllocator(config, blocks, capacity=requests), repeat), nbytes, bw)
 
-    print(f"FLASH  N={batch.num_tokens}  R={batch.num_requests}  TP={args.tp}  P={batch.padded_rows}  "
-          f"L={local}  block tables={table_mb:.1f} MiB")
-    print(f"builder (incl. validation)       median {t_build * 1e3:8.2f} ms")
-    print(f"  of which copying the tables    median {t_copy * 1e3:8.2f} ms  (the ABI's [R, width] tables)")
-    print(f"validate level=full              median {t_validate * 1e3:8.2f} ms")
-    print(f"validate level=shape             median {t_shape * 1e3:8.2f} ms")
-    print(f"lower_local_request_ids (all ranks)      {t_fast * 1e6:8.1f} us")
-    print(f"nested O(L*R) scan, numpy broadcast      {t_nested * 1e6:8.1f} us   ratio {t_nested / t_fast:8.1f}x")
-    print(f"nested O(L*R) scan, scalar loops         {t_python * 1e6:8.1f} us   ratio {t_python / t_fast:8.1f}x")
+
+def held_blocks(config: ModelConfig, chunk: int) -> None:
+    """Blocks one request holds in each ring pool while it grows to the full depth in ``chunk``-token steps."""
+    blocks = pool_blocks_for(config, [config.max_position_embeddings])
+    alloc = BlockAllocator(config, blocks, capacity=1)
+    most = dict.fromkeys(POOL_NAMES, 0)
+    for start in range(0, config.max_position_embeddings, chunk):
+        plan = alloc.plan([0], np.array([start]), np.array([min(start + chunk, config.max_position_embeddings)]))
+        alloc.commit(plan)
+        for p, held in alloc.held_blocks(0).items():
+            most[p] = max(most[p], held)
+    print(f"  blocks held by one request growing to {config.max_position_embeddings:,} positions in {chunk}-token "
+          "chunks (most at any step), 1.0 allocator vs now:")
+    for pl in config.layout:
+        if pl.is_ring:
+            # the 1.0 allocator kept every ori page; it recycled the state pools already, in MAXPOS-wide tables
+            before = -(-config.max_position_embeddings // pl.page_size) if not pl.is_state else most[pl.name]
+            print(f"    {pl.name:<16} {before:>8,} -> {most[pl.name]:>6,} blocks  (bound ceil((reach + chunk) / "
+                  f"page) + 1 = {-(-(pl.reach + chunk) // pl.page_size) + 1}; table columns {pl.table_width:,} -> "
+                  f"{pl.ring_width:,})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 repeats instead of 15")
+    ap.add_argument("--scenario", choices=["1m", "16k", "both"], default="both")
+    args = ap.parse_args()
+    repeat = 3 if args.quick else 15
+    bw = bandwidth()
+    print(f"memory bandwidth (np.copyto of 256 MiB): {bw / 1e9:.1f} GB/s")
+    if args.scenario in ("1m", "both"):
+        scenario("1m", FLASH, 8192, 64, 4, repeat, bw)
+        allocator_construction(FLASH, 256, repeat, bw)
+        held_blocks(FLASH, 8192)
+    if args.scenario in ("16k", "both"):
+        scenario("16k", FLASH_16K, 8192, 512, 4, repeat, bw)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ import numpy as np
 
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import MAX_CHUNK_TOKENS, POOL_NAMES, PoolLayout, PoolName, live_range, table_column, touched_pages
+from dspark_abi.layout import (
+    MAX_CHUNK_TOKENS,
+    POOL_NAMES,
+    PoolLayout,
+    PoolName,
+    live_pages,
+    live_range,
+    table_column,
+    touched_pages,
+)
 from dspark_abi.pools import PoolBlocks
 
 
@@ -88,6 +97,9 @@ class BlockAllocator:
         self.layout = config.layout
         self.pool_blocks = PoolBlocks.from_mapping(pool_blocks)
         # free stacks hold ids in descending order so that popping from the end yields ascending ids
+        # free stacks: ``_free[p][:_top[p]]`` holds the free ids, in descending order so that popping from the top
+        # yields ascending ids; pushing and popping touch only the blocks moved, never the whole pool
+        self._top = {p: self.pool_blocks[p] for p in POOL_NAMES}
         self._free: dict[str, np.ndarray] = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32)
                                              for p in POOL_NAMES}
         self._tables = {p: np.full((capacity, _width(self.layout.pools[p])), -1, np.int32) for p in POOL_NAMES}
@@ -112,7 +124,7 @@ class BlockAllocator:
         plans made on the original are stale for the copy and vice versa."""
         with self._lock:
             clone = copy.copy(self)
-            for name in ("_free", "_tables", "_first", "_end", "_row_of", "_cached", "_spare_rows"):
+            for name in ("_free", "_top", "_tables", "_first", "_end", "_row_of", "_cached", "_spare_rows"):
                 setattr(clone, name, copy.deepcopy(getattr(self, name), memo))
         clone._lock = threading.RLock()
         clone._token = object()
@@ -136,7 +148,7 @@ class BlockAllocator:
 
     def free_blocks(self, pool: str) -> int:
         with self._lock:
-            return int(self._free[pool].size)
+            return self._top[pool]
 
     def knows(self, request_id: int) -> bool:
         with self._lock:
@@ -149,12 +161,11 @@ class BlockAllocator:
                 raise ABIError([_unknown(request_id)])
             return self._cached[request_id]
 
-    def table_rows(self, request_ids: Sequence[int], plan: StepPlan | None = None, *,
-                   widths: Mapping[str, int] | None = None) -> dict[PoolName, np.ndarray]:
-        """pool -> [R, width] int32 copy of the block tables of ``request_ids`` (in that order).
+    def table_rows(self, request_ids: Sequence[int], plan: StepPlan | None = None) -> dict[PoolName, np.ndarray]:
+        """pool -> [R, width] int32 copy of the block tables of ``request_ids`` (in that order): the allocator's
+        own tables, ``ring_width`` columns for ring pools and ``table_width`` for compressed pools (a step's
+        narrower tables come from :meth:`step_tables`).
 
-        Ring pools have ``ring_width`` columns, compressed pools ``table_width`` or, with ``widths``, their first
-        ``widths[pool]`` columns only (a step's trimmed tables; cost O(R * width), never O(R * context)).
         With ``plan`` (made by :meth:`plan` on this allocator, not yet committed): the tables as they will be
         once it is committed, its releases and new mappings applied; ``request_ids`` may then name the plan's
         new requests too. This is how :class:`~dspark_abi.builder.BatchBuilder` gets a step's tables. A plan
@@ -168,11 +179,7 @@ class BlockAllocator:
             if unknown:
                 raise ABIError([_unknown(request_ids[unknown[0]], index=unknown[0], count=len(unknown))])
             rows = np.array([self._row_of.get(r, planned.get(r)) for r in request_ids], dtype=np.int64)
-            tables = {}
-            for p in POOL_NAMES:
-                full = self._tables[p]
-                width = full.shape[1] if widths is None or p not in widths else min(widths[p], full.shape[1])
-                tables[p] = np.take(full[:, :width], rows, axis=0)
+            tables = {p: self._tables[p][rows] for p in POOL_NAMES}
             if plan is not None:  # the step's tables = current rows - this plan's releases + its new mappings
                 for p in POOL_NAMES:
                     pl, table = self.layout.pools[p], tables[p]
@@ -181,9 +188,45 @@ class BlockAllocator:
                     for cell_rows, pages, blocks in ((r_rows, r_pages, None), (m_rows, m_pages, m_blocks)):
                         at, found = _positions(rows, cell_rows)
                         column = table_column(pl, pages[found], _width(pl))
-                        fits = column < table.shape[1]     # a trimmed table drops columns the step does not use
-                        table[at[fits], column[fits]] = -1 if blocks is None else blocks[found][fits]
+                        table[at, column] = -1 if blocks is None else blocks[found]
             return tables
+
+    def step_tables(self, plan: StepPlan, starts: np.ndarray, ends: np.ndarray, *, fixed_ring: bool = False
+                    ) -> dict[PoolName, np.ndarray]:
+        """pool -> [R, width] int32 tables of the step ``plan`` was made for (requests with new positions
+        ``[starts, ends)``), as they will be once it is committed, each as narrow as the step allows.
+
+        The width is the most pages any non-empty request's live range spans (at least 1), or for the ring
+        pools with ``fixed_ring`` their ``ring_width`` (the same shape every step). A ring pool's table
+        holds each live page ``i`` in column ``i % width`` and -1 elsewhere; a compressed pool's table is the
+        first ``width`` columns of the allocator's. Empty requests read nothing: their ring rows are -1.
+        Cost O(R + live pages of the ring pools + R * width of the compressed pools), never O(R * context).
+        """
+        starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+        window = self.config.sliding_window
+        with self._lock:
+            self._check_current(plan)
+            rows, out = plan.rows, {}
+            for p in POOL_NAMES:
+                pl, full = self.layout.pools[p], self._tables[p]
+                width = max(1, int(live_pages(pl, starts, ends, window).max(initial=0)))
+                if fixed_ring and pl.is_ring:
+                    width = pl.ring_width
+                m_rows, m_pages, m_blocks = plan.map_cells[p]
+                at, found = _positions(rows, m_rows)
+                pages, blocks = m_pages[found], m_blocks[found]
+                if pl.is_ring:      # re-lay the live pages from the allocator's ring width to this step's
+                    req, page = touched_pages(pl, starts, ends, window)
+                    table = np.full((rows.size, width), -1, dtype=np.int32)
+                    table[req, table_column(pl, page, width)] = full[rows[req], table_column(pl, page, full.shape[1])]
+                    lo, _ = live_range(pl, starts, ends, window)
+                    live = (ends[at] > starts[at]) & (pages >= lo[at] // pl.page_size)   # new pages it reads
+                else:
+                    table = full[:, :width][rows]
+                    live = pages < width                                            # empty requests' history
+                table[at[live], table_column(pl, pages[live], width)] = blocks[live]
+                out[p] = table
+            return out
 
     # ------------------------------------------------------------------ planning
     def plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
@@ -210,7 +253,7 @@ class BlockAllocator:
             pl = self.layout.pools[p]
             released = self._plan_release(pl, rows, starts, ends, fresh)
             cells = self._plan_map(pl, rows, starts, ends, fresh)
-            available = self._free[p].size + released[0].size
+            available = self._top[p] + released[0].size
             if cells[0].size > available:
                 short.append(Issue("alloc.exhausted", f"pool_blocks.{p}",
                                    f"pool {p!r} has {available} free blocks, this step needs {cells[0].size}",
@@ -224,20 +267,37 @@ class BlockAllocator:
         map_cells: dict[PoolName, Cells] = {}
         for p in POOL_NAMES:
             r_rows, r_pages = to_map[p]
-            pool = np.concatenate([self._free[p], release_cells[p][2][::-1].astype(np.int32)])
-            blocks = pool[::-1][: r_rows.size] if r_rows.size else np.empty(0, np.int32)
-            map_cells[p] = (r_rows, r_pages, blocks.astype(np.int32))
+            released, top = release_cells[p][2].astype(np.int32), self._top[p]
+            reused = released[: r_rows.size]
+            popped = self._free[p][top - (r_rows.size - reused.size): top][::-1]
+            map_cells[p] = (r_rows, r_pages, np.concatenate([reused, popped]))
         return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped,
                         owner=self._token, generation=self._generation)
 
     def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                   fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows, pages) of the pages the step touches that are not mapped yet (empty requests keep their
-        live range mapped too)."""
-        owner, page = touched_pages(pl, starts, ends, self.config.sliding_window, keep_empty=True)
-        row = rows[owner]
-        held = ~fresh[owner] & (page >= self._first[pl.name][row]) & (page < self._end[pl.name][row])
-        return row[~held], page[~held]
+        live range mapped too), requests in batch order and pages ascending within each.
+
+        Cost O(R + pages mapped now): the pages a request already holds are one run ``[first, end)``, so only
+        the parts of its live range outside that run are enumerated, never its whole history."""
+        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
+        has = hi > lo
+        a = np.where(has, lo // pl.page_size, 0)
+        b = np.where(has, (hi - 1) // pl.page_size + 1, 0)
+        first = np.where(fresh, 0, self._first[pl.name][rows])
+        end = np.where(fresh, 0, self._end[pl.name][rows])
+        below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
+        start_above = np.maximum(a, end)
+        above = np.clip(b - start_above, 0, None)                   # [max(a, end), b): past the held run
+        owner_lo, page_lo = _expand(a, below)
+        owner_hi, page_hi = _expand(start_above, above)
+        owner = np.concatenate([owner_lo, owner_hi])
+        page = np.concatenate([page_lo, page_hi])
+        if owner_lo.size:                                           # rare: keep request-major order
+            order = np.argsort(owner, kind="stable")
+            owner, page = owner[order], page[order]
+        return rows[owner], page
 
     def _plan_release(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                       fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -298,8 +358,9 @@ class BlockAllocator:
             r_rows, r_pages, r_blocks = plan.release_cells[p]
             self._tables[p][r_rows, table_column(pl, r_pages, width)] = -1
             m_rows, m_pages, m_blocks = plan.map_cells[p]
-            stack = np.concatenate([self._free[p], r_blocks[::-1].astype(np.int32)])
-            self._free[p] = stack[: stack.size - m_blocks.size]
+            top = self._top[p]                            # push the released blocks, then pop the mapped ones
+            self._free[p][top: top + r_blocks.size] = r_blocks[::-1]
+            self._top[p] = top + r_blocks.size - m_blocks.size
             self._tables[p][m_rows, table_column(pl, m_pages, width)] = m_blocks
             self._first[p][plan.rows], self._end[p][plan.rows] = plan.mapped[p]
         for r, end in zip(plan.request_ids, plan.ends.tolist(), strict=True):
@@ -319,7 +380,9 @@ class BlockAllocator:
         for p in POOL_NAMES:
             table_row = self._tables[p][row]
             held = table_row[table_row >= 0]
-            self._free[p] = np.concatenate([self._free[p], np.sort(held)[::-1].astype(np.int32)])
+            top = self._top[p]
+            self._free[p][top: top + held.size] = np.sort(held)[::-1]
+            self._top[p] = top + held.size
             table_row[:] = -1
             self._first[p][row] = self._end[p][row] = 0
         self._spare_rows.append(row)

@@ -9,7 +9,7 @@ mappings, rank views) can be made writeable again, not even through its ``base``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from functools import cached_property
 from typing import Any
@@ -19,7 +19,7 @@ import numpy as np
 
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
-from dspark_abi.errors import ABIError, Issue
+from dspark_abi.errors import ABIError, Issue, ValidationReport
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
@@ -253,11 +253,18 @@ class PackedBatch(BatchGeometry):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
-                    pool_blocks: Mapping[str, int] | PoolBlocks) -> PackedBatch:
+                    pool_blocks: Mapping[str, int] | PoolBlocks, *,
+                    validator: Callable[[Mapping[str, Any]], ValidationReport] | None = None) -> PackedBatch:
         """Build from flat ABI field names (``query_start_loc``, ``positions``, ``<pool>_block_table``,
         ``<pool>_slot_mapping``, optional ``request_ids``, ``token_ids``, ``logit_rows``). Validates first,
-        so a malformed mapping raises :class:`ABIError` with every issue and nothing is built."""
-        validate_arrays(arrays, config, policy, pool_blocks).raise_if_invalid()
+        so a malformed mapping raises :class:`ABIError` with every issue and nothing is built.
+
+        validator: checks the arrays instead of the full stateless validation, e.g. a serving loop's
+        :meth:`dspark_abi.incremental.StepValidator.validate` (which agrees with it, at the cost of what the
+        step changes)."""
+        report = validator(arrays) if validator is not None else validate_arrays(arrays, config, policy,
+                                                                                  pool_blocks)
+        report.raise_if_invalid()
         token = _ALREADY_VALIDATED.set(True)  # the arrays were just checked; freezing copies them unchanged
         try:
             return cls(

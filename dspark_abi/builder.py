@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -25,7 +25,8 @@ from dspark_abi.allocator import BlockAllocator, StepPlan
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.layout import POOL_NAMES, live_pages, physical_rows, written_logical
+from dspark_abi.incremental import StepValidator
+from dspark_abi.layout import POOL_NAMES, physical_rows, written_logical
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.validation import EMPTY_BATCH_FIX
@@ -114,11 +115,24 @@ class BatchBuilder:
     tokens of its earlier chunks; it keeps its tables.
     """
 
-    def __init__(self, config: ModelConfig, policy: PaddingPolicy, allocator: BlockAllocator):
+    def __init__(self, config: ModelConfig, policy: PaddingPolicy, allocator: BlockAllocator, *,
+                 validator: StepValidator | None = None, ring_width: Literal["step", "fixed"] = "step"):
+        """validator: a serving loop's :class:`~dspark_abi.incremental.StepValidator`, which then validates each
+        step at the cost of what it changes instead of the full stateless validation (same verdicts).
+
+        ring_width: "step" makes the four ring tables as narrow as the step's widest live range (the fewest
+        bytes per step); "fixed" gives them ``PoolLayout.ring_width`` columns every step (static shapes for
+        kernels compiled ahead of time). Compressed tables always span the step's widest live range."""
         if allocator.config != config:
             raise ABIError([Issue("config.mismatch", "allocator", "allocator was built for another config",
                                   expected=config.name, actual=allocator.config.name)])
-        self.config, self.policy, self.allocator = config, policy, allocator
+        if validator is not None and (validator.config != config or validator.policy != policy):
+            raise ABIError([Issue("config.mismatch", "validator", "the step validator was built for another "
+                                  "config or policy", expected=(config.name, policy.tp_size),
+                                  actual=(validator.config.name, validator.policy.tp_size),
+                                  fix="give the builder a StepValidator(config, policy, pool_blocks) of its own")])
+        self.config, self.policy, self.allocator, self.validator = config, policy, allocator, validator
+        self.fixed_ring = ring_width == "fixed"
         self._pending: list[tuple[Any, Any, Any, Any]] = []  # add()'s arguments as given, checked by build()
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
@@ -163,6 +177,7 @@ class BatchBuilder:
         issues: list[Issue] = []
         seen: set[int] = set()
         max_pos = self.config.max_position_embeddings
+        chunk_cap = self.allocator.max_chunk_tokens
         specs: list[RequestSpec] = []
         news: list[int | None] = []  # one per queued request (None: not an exact count)
 
@@ -191,7 +206,6 @@ class BatchBuilder:
                         f"max_position_embeddings={max_pos}", f"<= {max_pos}", cached + new,
                         f"stop the request at max_position_embeddings={max_pos}: at most "
                         f"num_new={max(0, max_pos - cached)} after num_cached={cached}")
-                chunk_cap = self.allocator.max_chunk_tokens
                 if new > chunk_cap:
                     bad(i, "num_new", f"num_new={new} is longer than the {chunk_cap} tokens one request may add in "
                         "one step (the ring tables hold reach + that many positions)", f"<= {chunk_cap}", new,
@@ -253,11 +267,8 @@ class BatchBuilder:
         positions[:n] = pos
         positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
 
-        # compressed tables trimmed to the widest live range: O(R * pages used), not O(R * max positions)
-        ends = starts + lengths
-        widths = {pl.name: max(1, int(live_pages(pl, starts, ends, self.config.sliding_window).max(initial=0)))
-                  for pl in layout if not pl.is_ring}
-        tables = self.allocator.table_rows(plan.request_ids, plan, widths=widths)  # as once the plan is committed
+        # tables as narrow as the step's widest live range: O(R * pages used), not O(R * max positions)
+        tables = self.allocator.step_tables(plan, starts, starts + lengths, fixed_ring=self.fixed_ring)
         slots = {}
         for p in POOL_NAMES:
             pl = layout.pools[p]
@@ -275,7 +286,8 @@ class BatchBuilder:
         arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
         arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
         # validated on these private arrays (numpy memory, fast to gather from), then frozen: copied once
-        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks)
+        check = None if self.validator is None else self.validator.validate
+        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check)
 
 
 def request_ids_of(specs: list[RequestSpec]) -> np.ndarray:

@@ -186,7 +186,8 @@ def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) 
 def table_column(pl: PoolLayout, page: np.ndarray, width: int) -> np.ndarray:
     """Table column of logical ``page`` in a table of ``width`` columns: ``page % width`` for a ring pool,
     the page itself for a compressed pool (whose table must then be wide enough)."""
-    return np.asarray(page) % width if pl.is_ring else np.asarray(page)
+    page = np.asarray(page)
+    return page - (page // width) * width if pl.is_ring else page
 
 
 def live_range(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -211,7 +212,8 @@ def written_logical(pl: PoolLayout, positions: np.ndarray) -> np.ndarray:
     p = np.asarray(positions, dtype=np.int64)
     if not pl.ratio:
         return p
-    return np.where((p + 1) % pl.ratio == 0, (p + 1) // pl.ratio - 1, -1)
+    entries = (p + 1) // pl.ratio
+    return np.where(entries * pl.ratio == p + 1, entries - 1, -1)
 
 
 def visible_entries(positions: np.ndarray, ratio: int) -> np.ndarray:
@@ -234,14 +236,17 @@ def physical_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, p
     logical = np.asarray(logical, dtype=np.int64)
     req = request.reshape(request.shape + (1,) * (logical.ndim - request.ndim))    # broadcast over K
     width = table.shape[1]
+    if table.size == 0:
+        return np.full(logical.shape, -1, dtype=np.int64)
+    # floor division by a scalar is fast in numpy and % is not: offsets and the ring modulo as x - (x // d) * d
     page = logical // page_size
-    if ring and width:
-        page = page % width
+    offset = logical - page * page_size
+    if ring:
+        page -= (page // width) * width
     ok = (req >= 0) & (logical >= 0) & (page < width)
-    req_b, page_b = np.broadcast_arrays(req, page)
-    block = np.full(logical.shape, -1, dtype=np.int64)
-    block[ok] = table[req_b[ok], page_b[ok]]
-    return np.where(ok & (block >= 0), block * page_size + logical % page_size, -1)
+    flat = np.where(ok, req * width + page, 0)                 # one gather from the flattened table
+    block = np.where(ok, np.take(table.reshape(-1), flat), -1).astype(np.int64, copy=False)
+    return np.where(block >= 0, block * page_size + offset, -1)
 
 
 def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int, *, keep_empty: bool = False

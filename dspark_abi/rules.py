@@ -7,7 +7,7 @@ yields one :class:`Issue` naming the first offender and the number of offenders.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,8 @@ def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message:
           index_of: np.ndarray | None = None, request_of: np.ndarray | None = None,
           expected: np.ndarray | Any = None, actual: np.ndarray | Any = None) -> None:
     """Append one issue for the first True of ``mask`` (with the count of all)."""
+    if not mask.any():             # the common case, about 5x cheaper than finding the hits
+        return
     hits = np.flatnonzero(mask)
     if hits.size == 0:
         return
@@ -51,6 +53,30 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
                tables: Mapping[PoolName, np.ndarray], slots: Mapping[PoolName, np.ndarray],
                token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None) -> None:
     """Append an issue for every value-level rule the batch breaks (shapes and dtypes are known to be right)."""
+    row_request, pos, start, end, live, ok_req = check_tokens(
+        issues, config=config, policy=policy, qsl=qsl, n_tokens=n_tokens, n_rows=n_rows, positions=positions,
+        slots=slots, token_ids=token_ids, logit_rows=logit_rows, hidden=hidden)
+    layout = config.layout
+    for pool in POOL_NAMES:
+        pl = layout.pools[pool]
+        if not _check_width(issues, pl, tables[pool], start, np.where(ok_req, end, start), config.sliding_window):
+            continue
+        args = (pl, blocks[pool], tables[pool], start, end, ok_req, config.sliding_window)
+        # the common case (every live page mapped, in range, its block used once) is decided with a few array
+        # passes; only a batch that fails it pays for the exact per-page reports and the owner map
+        owners = None if _pages_unshared(*args) else _check_pages(issues, *args)
+        _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n_tokens], pos, row_request, live,
+                     owners, lambda: _check_pages([], *args))
+
+
+def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolicy, qsl: np.ndarray, n_tokens: int,
+                 n_rows: int, positions: np.ndarray, slots: Mapping[PoolName, np.ndarray],
+                 token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The O(R + P) token rules of :func:`check_deep` (positions, padding rows, token ids, logit rows), shared with
+    :class:`dspark_abi.incremental.StepValidator`. Returns what the pool rules need: ``row_request`` [N],
+    ``pos`` [N] int64, ``start`` / ``end`` [R], ``live`` [N] (tokens of requests fit for the slot rules) and
+    ``ok_req`` [R] (non-empty requests whose positions satisfy R14-R16)."""
     n, max_pos = n_tokens, config.max_position_embeddings
     starts_row = qsl[:-1].astype(np.int64)
     lengths: np.ndarray = np.diff(qsl.astype(np.int64))
@@ -85,14 +111,7 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
         _flag(issues, "logits.range", "logit_rows", (logit_rows != -1) & ((logit_rows < 0) | (logit_rows >= n)),
               f"logit rows must be -1 or in [0, N={n})", expected=f"-1 or 0..{n - 1}", actual=logit_rows)
 
-    layout = config.layout
-    ok_req = request_ok & nonempty
-    for pool in POOL_NAMES:
-        pl = layout.pools[pool]
-        if not _check_width(issues, pl, tables[pool], start, np.where(ok_req, end, start), config.sliding_window):
-            continue
-        owners = _check_pages(issues, pl, blocks[pool], tables[pool], start, end, ok_req, config.sliding_window)
-        _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n], pos, row_request, live, owners)
+    return row_request, pos, start, end, live, request_ok & nonempty
 
 
 def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: int, n_rows: int,
@@ -202,6 +221,32 @@ def _owners(n_blocks: int, n_req: int, blk: np.ndarray, req: np.ndarray) -> tupl
     return _Owners(used, owner_min, owner_max, True), alias
 
 
+def _pages_unshared(pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.ndarray, end: np.ndarray,
+                    use: np.ndarray, window: int) -> bool:
+    """True when every live page of the requests in ``use`` maps a block in ``[0, n_blocks)`` and no block is
+    used by two live pages (then coverage, block range, aliasing and, for slots that match the tables,
+    isolation all hold). False means: run :func:`_check_pages` for the exact reports.
+
+    A compressed pool's live pages are the columns ``[0, count)`` of each row, read as one masked rectangle
+    when that is not much larger than the pages; a ring pool's are gathered page by page. O(live pages).
+    """
+    count = live_pages(pl, start, np.where(use, end, start), window)
+    rows, width = table.shape
+    if not pl.is_ring and rows * width <= 4 * int(count.sum()) + 4096:
+        blk = table[np.arange(width)[None, :] < count[:, None]]
+    else:
+        req, page = touched_pages(pl, start, np.where(use, end, start), window)
+        blk = table[req, table_column(pl, page, width)]
+    if blk.size == 0:
+        return True
+    if int(blk.min()) < 0 or int(blk.max()) >= n_blocks:
+        return False
+    if _dense(n_blocks, blk.size):
+        return int(np.bincount(blk, minlength=n_blocks).max()) <= 1
+    ordered = np.sort(blk)
+    return not bool((ordered[1:] == ordered[:-1]).any())
+
+
 def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.ndarray,
                  end: np.ndarray, use: np.ndarray, window: int) -> _Owners:
     """Coverage, block range, in-request aliasing; return the (min, max) owner request of every used block.
@@ -228,7 +273,11 @@ def _check_pages(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
 
 
 def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.ndarray, slot: np.ndarray,
-                 pos: np.ndarray, row_request: np.ndarray, live: np.ndarray, owners: _Owners) -> None:
+                 pos: np.ndarray, row_request: np.ndarray, live: np.ndarray, owners: _Owners | None,
+                 owners_of: Callable[[], _Owners]) -> None:
+    """Slot rules R27-R31. ``owners`` None: the pool's live pages are unshared (:func:`_pages_unshared`), so a
+    write whose slot matches its request's table cannot be foreign; ``owners_of`` computes the owner map when
+    some written slot is not such a write."""
     name, ps = SLOT_FIELDS[pl.name], pl.page_size
     n_rows = n_blocks * ps
     out_of_range = (slot < -1) | (slot >= n_rows)
@@ -239,14 +288,24 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
         _flag(issues, "slots.off_boundary", name, live & (logical < 0) & (slot != -1),
               f"only tokens with (p+1) % {pl.ratio} == 0 write this pool", request_of=row_request, expected=-1,
               actual=slot)
-    w = np.flatnonzero(live & (logical >= 0))
-    expected = physical_rows(table, row_request[w], logical[w], ps, ring=pl.is_ring)
+    writes = live & (logical >= 0)
+    every = bool(writes.all())                                     # per-token pool, no bad request: no gather
+    w = np.arange(slot.size) if every else np.flatnonzero(writes)
+    expected = physical_rows(table, row_request if every else row_request[w], logical if every else logical[w],
+                             ps, ring=pl.is_ring)
+    slot_w = slot if every else slot[w]
     ok_blk = (expected >= 0) & (expected < n_rows)                 # unmapped / bad blocks already reported
-    _flag(issues, "slots.mismatch", name, ok_blk & (slot[w] != expected) & ~out_of_range[w],
+    matches = np.zeros(slot.size, dtype=bool)
+    matches[w] = ok_blk & (slot_w == expected)
+    _flag(issues, "slots.mismatch", name, ok_blk & (slot_w != expected) & ~out_of_range[w],
           "slot must equal table[request, column of logical // page] * page_size + logical % page_size",
-          index_of=w, request_of=row_request[w], expected=expected, actual=slot[w])
+          index_of=w, request_of=row_request[w], expected=expected, actual=slot_w)
 
     written = np.flatnonzero((slot >= 0) & ~out_of_range)
+    if owners is None and matches[written].all():
+        # every write lands in its writer's own live page, at its own logical index, and no block serves two
+        # live pages: rows are distinct (a request's logical indices are) and none is foreign
+        return
     rows = slot[written]
     ordered = np.sort(rows)
     if (ordered[1:] == ordered[:-1]).any():  # rare: find which token repeats a row, for the report
@@ -256,6 +315,8 @@ def _check_slots(issues: list[Issue], pl: PoolLayout, n_blocks: int, table: np.n
         _flag(issues, "writes.duplicate", name, dup, "two live tokens write the same physical row",
               index_of=written, request_of=row_request[written], expected="unique rows", actual=rows)
 
+    if owners is None:
+        owners = owners_of()
     wblk, writer_req = rows // ps, row_request[written]
     lo, hi = owners.lookup(wblk)
     foreign = (hi >= 0) & ((lo != writer_req) | (hi != writer_req))

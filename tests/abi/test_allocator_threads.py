@@ -21,7 +21,7 @@ def _assert_consistent(alloc, live):
     tables = alloc.table_rows(live) if live else {p: np.zeros((0, 1), np.int32) for p in POOL_NAMES}
     for p in POOL_NAMES:
         used = tables[p][tables[p] >= 0]
-        free = alloc._free[p]
+        free = alloc._free[p][: alloc._top[p]]  # the stack below its top
         assert np.unique(used).size == used.size, f"{p}: a block is owned twice"
         assert np.unique(free).size == free.size, f"{p}: a block is free twice"
         assert not np.isin(free, used).any(), f"{p}: a block is free and used"

@@ -189,7 +189,8 @@ def test_shared_block_bookkeeping_without_dense_owner_arrays():
     """Isolation still works on the sparse path (pools far larger than the pages the call uses)."""
     batch = _batch()
     arrays = _plain(batch)
-    shared = arrays["ori_block_table"][0, 3]  # request 0's live page 3 (positions 96..127)
+    width = arrays["ori_block_table"].shape[1]   # a ring table: page i in column i % width
+    shared = arrays["ori_block_table"][0, 3 % width]  # request 0's live page 3 (positions 96..127)
     arrays["ori_block_table"][1, 0] = shared  # request 1 (position 30, page 0) now writes into it
     arrays["ori_slot_mapping"][3] = shared * 32 + 30
     big = dict.fromkeys(POOL_NAMES, 10**6)
