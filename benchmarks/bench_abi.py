@@ -80,10 +80,13 @@ class Step:
         return validator
 
     def build(self, allocator: BlockAllocator, lengths: np.ndarray, cached: np.ndarray,
-              validator: StepValidator | None = None) -> Any:
+              validator: StepValidator | None = None, *, per_request: bool = False) -> Any:
         builder = BatchBuilder(self.config, self.policy, allocator, validator=validator)
-        for rid, (new, ctx) in enumerate(zip(lengths.tolist(), cached.tolist(), strict=True)):
-            builder.add(rid, num_cached=ctx, num_new=new)
+        if per_request:                         # one add() per request, as a Python serving loop would
+            for rid, (new, ctx) in enumerate(zip(lengths.tolist(), cached.tolist(), strict=True)):
+                builder.add(rid, num_cached=ctx, num_new=new)
+        else:                                   # the engine's arrays as they are
+            builder.add_many(np.arange(lengths.size), cached, lengths)
         return builder.build()
 
     def fresh(self) -> tuple[BlockAllocator, StepValidator]:
@@ -120,6 +123,9 @@ def scenario(name: str, config: ModelConfig, n_tokens: int, n_requests: int, tp:
         meta, bw)
     row("build, full validation", median_seconds(lambda state: step.build(state[0], step.lengths, step.cached),
                                                  repeat, step.fresh), meta, bw)
+    row("build, full validation, add() per request",
+        median_seconds(lambda state: step.build(state[0], step.lengths, step.cached, per_request=True), repeat,
+                       step.fresh), meta, bw)
     row("validate, full (stateless)", median_seconds(lambda: validate(batch), repeat), meta, bw, "(reads)")
     row("validate, incremental", median_seconds(incremental, repeat, step.fresh), meta, bw, "(reads)")
     row("validate, shape level", median_seconds(lambda: validate(batch, level="shape"), repeat), None, bw)
@@ -135,8 +141,8 @@ def scenario(name: str, config: ModelConfig, n_tokens: int, n_requests: int, tp:
 def allocator_construction(config: ModelConfig, requests: int, repeat: int, bw: float) -> None:
     blocks = pool_blocks_for(config, [config.max_position_embeddings] * requests)
     probe = BlockAllocator(config, blocks, capacity=requests)
-    nbytes = sum(t.nbytes for t in probe._tables.values())  # noqa: SLF001 - the bytes construction must write
-    nbytes += sum(f.nbytes for f in probe._free.values())   # noqa: SLF001
+    nbytes = sum(t.nbytes for t in probe._tables.values())
+    nbytes += sum(f.nbytes for f in probe._free.values())
     row(f"allocator construction, {requests} requests",
         median_seconds(lambda: BlockAllocator(config, blocks, capacity=requests), repeat), nbytes, bw)
 

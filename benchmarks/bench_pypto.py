@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dspark_abi.layout import PoolLayout
 from dspark_abi.presets import FLASH
 from dspark_kernels.pypto.isolate import run_isolated
 
@@ -38,6 +39,13 @@ CUBE_CORES = 24
 BF16_FLOP_PER_CYCLE = CUBE_CORES * 2 * 16 * 16 * 16
 INT8_FLOP_PER_CYCLE = CUBE_CORES * 2 * 16 * 32 * 16
 DDR_BYTES_PER_CYCLE = CUBE_CORES * 32
+
+
+def table_columns(pl: PoolLayout) -> int:
+    """Columns of the widest block table a step can carry for a pool: the allocator's ``ring_width`` for the ring
+    pools (ori and the state pools, addressed page mod width; the builder may trim further), ``table_width`` for
+    the compressed pools."""
+    return pl.ring_width if pl.is_ring else pl.table_width
 
 
 def roofline(bf16_flops: float, int8_flops: float, nbytes: float) -> float:
@@ -78,10 +86,11 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
     if stage == "window":
         from dspark_kernels.pypto.window import run_window
 
-        width = c.layout.pools["ori"].table_width
+        ori = c.layout.pools["ori"]
+        width = table_columns(ori)
         table = rng.permutation(requests * width).astype(np.int32).reshape(requests, width)
         return run_window(np.arange(local, dtype=np.int32) + 1000, np.zeros(local, np.int32), table,
-                          c.sliding_window).cycles
+                          c.sliding_window, ring=ori.is_ring).cycles
     if stage in ("cmp4_state", "cmp128_state"):
         from dspark_kernels.pypto.compressor import run_state_rows
 
@@ -98,12 +107,12 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
         layout = c.layout.pools[pool]
         boundaries = p_rows // ratio
         positions = np.arange(1, boundaries + 1, dtype=np.int32) * ratio - 1 + 1024  # one window each
-        table = np.arange(requests * layout.table_width, dtype=np.int32).reshape(requests, -1) % 256
+        table = np.arange(requests * table_columns(layout), dtype=np.int32).reshape(requests, -1) % 256
         state = np.zeros((256 * layout.page_size, (4 if ratio == 4 else 2) * dim), np.float32)
         hadamard = np.zeros((dim, dim), np.float32) if stage == "idx_cmp_pool" else None
         return run_pool(positions, np.zeros(boundaries, np.int32), table, state, np.ones(dim, np.float32),
                         np.ones((boundaries, rd // 2), bf), np.zeros((boundaries, rd // 2), bf), ratio=ratio,
-                        page=layout.page_size, eps=c.rms_norm_eps, hadamard=hadamard).cycles
+                        page=layout.page_size, eps=c.rms_norm_eps, ring=layout.is_ring, hadamard=hadamard).cycles
     if stage == "indexer":
         from dspark_kernels.pypto.indexer import run_indexer
 
@@ -137,7 +146,7 @@ def stage_roofline(stage: str, p_rows: int, tp: int, requests: int) -> float:
     local = p_rows // tp
     x, d, h, q, g, ro = c.hidden_size, c.head_dim, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
     w = c.sliding_window
-    table = requests * c.layout.pools["ori"].table_width
+    table = requests * table_columns(c.layout.pools["ori"])
     hi, di, k = c.index_n_heads, c.index_head_dim, c.index_topk
     rd = c.qk_rope_head_dim
 

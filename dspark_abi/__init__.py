@@ -20,9 +20,9 @@ from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import PoolBlocks
 from dspark_abi.validation import Level, validate_arrays
 
-__version__ = "1.0.0"
+__version__ = "1.1.0"
 #: Version of the metadata ABI specification this library implements (spec/v1).
-ABI_VERSION = "1.0"
+ABI_VERSION = "1.1"
 
 
 def validate(batch_or_arrays: PackedBatch | Mapping[str, Any], config: ModelConfig | None = None,

@@ -99,7 +99,7 @@ class BlockAllocator:
         # free stacks hold ids in descending order so that popping from the end yields ascending ids
         # free stacks: ``_free[p][:_top[p]]`` holds the free ids, in descending order so that popping from the top
         # yields ascending ids; pushing and popping touch only the blocks moved, never the whole pool
-        self._top = {p: self.pool_blocks[p] for p in POOL_NAMES}
+        self._top: dict[str, int] = {p: self.pool_blocks[p] for p in POOL_NAMES}
         self._free: dict[str, np.ndarray] = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32)
                                              for p in POOL_NAMES}
         self._tables = {p: np.full((capacity, _width(self.layout.pools[p])), -1, np.int32) for p in POOL_NAMES}
@@ -153,6 +153,12 @@ class BlockAllocator:
     def knows(self, request_id: int) -> bool:
         with self._lock:
             return request_id in self._row_of
+
+    def cached_tokens_of(self, request_ids: Sequence[int]) -> np.ndarray:
+        """[R] int64 cached tokens of each request, -1 for one this allocator does not know (one lock, no raise)."""
+        with self._lock:
+            get = self._cached.get
+            return np.array([get(r, -1) for r in request_ids], dtype=np.int64)
 
     def cached_tokens(self, request_id: int) -> int:
         """Tokens of ``request_id`` whose caches earlier steps wrote (its next start position)."""
@@ -267,8 +273,8 @@ class BlockAllocator:
         map_cells: dict[PoolName, Cells] = {}
         for p in POOL_NAMES:
             r_rows, r_pages = to_map[p]
-            released, top = release_cells[p][2].astype(np.int32), self._top[p]
-            reused = released[: r_rows.size]
+            recycled, top = release_cells[p][2].astype(np.int32), self._top[p]
+            reused = recycled[: r_rows.size]
             popped = self._free[p][top - (r_rows.size - reused.size): top][::-1]
             map_cells[p] = (r_rows, r_pages, np.concatenate([reused, popped]))
         return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped,

@@ -10,6 +10,7 @@ mappings, rank views) can be made writeable again, not even through its ``base``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from contextvars import ContextVar
 from functools import cached_property
 from typing import Any
@@ -262,9 +263,12 @@ class PackedBatch(BatchGeometry):
         validator: checks the arrays instead of the full stateless validation, e.g. a serving loop's
         :meth:`dspark_abi.incremental.StepValidator.validate` (which agrees with it, at the cost of what the
         step changes)."""
-        report = validator(arrays) if validator is not None else validate_arrays(arrays, config, policy,
-                                                                                  pool_blocks)
-        report.raise_if_invalid()
+        if validator is None:
+            validate_arrays(arrays, config, policy, pool_blocks).raise_if_invalid()
+        else:   # frozen first, so that a stateful validator keeps references to immutable arrays, not copies
+            with suppress(ABIError):    # an ndarray subclass: the validator reports it with everything else
+                arrays = {k: None if v is None else freeze(v, k) for k, v in arrays.items()}
+            validator(arrays).raise_if_invalid()
         token = _ALREADY_VALIDATED.set(True)  # the arrays were just checked; freezing copies them unchanged
         try:
             return cls(

@@ -33,23 +33,31 @@ from dspark_abi.validation import EMPTY_BATCH_FIX
 
 
 @attrs.frozen
-class RequestSpec:
-    """One checked request of a step: ``num_new`` tokens after ``num_cached`` already in the caches.
-
-    :meth:`BatchBuilder.add` queues the arguments as given; :meth:`BatchBuilder.build` checks them and
-    works on these exact copies (Python ints, an int64 token-id array) only.
+class StepRequests:
+    """The checked requests of one step, as arrays: :meth:`BatchBuilder.build` checks what was queued and works
+    on these exact copies only.
 
     Attributes:
-        request_id: The serving request id (within int64).
-        num_cached: Tokens of the request already in the caches (its first new position).
-        num_new: New tokens of the request in this step (>= 0).
-        token_ids: [num_new] int64 token ids, or None when the step gives none.
+        ids: [R] int64 serving request ids, unique.
+        cached: [R] int64 tokens of each request already in the caches (its first new position).
+        new: [R] int64 new tokens of each request in this step (>= 0).
+        token_ids: [N] int64 token ids of the new tokens, request after request, or None when the step gives none.
     """
 
-    request_id: int
-    num_cached: int
-    num_new: int
+    ids: np.ndarray
+    cached: np.ndarray
+    new: np.ndarray
     token_ids: np.ndarray | None = None
+
+
+@attrs.frozen
+class _Many:
+    """One add_many() call, its arguments as given (copied)."""
+
+    request_ids: Any
+    num_cached: Any
+    num_new: Any
+    token_ids: Any
 
 
 _INT64 = (-(2**63), 2**63 - 1)
@@ -60,8 +68,17 @@ _COUNT = (0, 2**63 - 1)
 _ID_FIX = "pass request_id as an integer within int64 (a Python or numpy integer, not bool, float or str)"
 _IDS_FIX = ("pass token_ids as a list or 1-D numpy array of integers (no floats, bools, strings or masked "
             "arrays), one id per new token")
+_MANY_FIX = ("pass add_many() 1-D integer arrays (or lists) of one entry per request: request_ids within int64, "
+             "num_cached and num_new >= 0")
 _ROWS_FIX = ("pass logit_rows='last', None, or a list / 1-D numpy array of int32 group rows in [0, N) "
              "(-1 for an inactive entry)")
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a queued argument that keeps its type (an ndarray subclass stays one, so build() can refuse it)."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -133,7 +150,7 @@ class BatchBuilder:
                                   fix="give the builder a StepValidator(config, policy, pool_blocks) of its own")])
         self.config, self.policy, self.allocator, self.validator = config, policy, allocator, validator
         self.fixed_ring = ring_width == "fixed"
-        self._pending: list[tuple[Any, Any, Any, Any]] = []  # add()'s arguments as given, checked by build()
+        self._pending: list[tuple[Any, Any, Any, Any] | _Many] = []  # add() / add_many() arguments as given
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
             ) -> None:
@@ -143,11 +160,22 @@ class BatchBuilder:
         token_ids a 1-D integer sequence of ``num_new`` ids. They are copied, not converted: a wrong type is
         reported by ``build()``, never truncated.
         """
-        if isinstance(token_ids, np.ndarray):
-            token_ids = token_ids.copy()           # keeps a subclass, so build() can refuse it
-        elif isinstance(token_ids, list):
-            token_ids = list(token_ids)
-        self._pending.append((request_id, num_cached, num_new, token_ids))
+        self._pending.append((request_id, num_cached, num_new, _copy(token_ids)))
+
+    def add_many(self, request_ids: Sequence[int] | np.ndarray, num_cached: Sequence[int] | np.ndarray,
+                 num_new: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray | None = None) -> None:
+        """Queue many requests at once from 1-D integer arrays of equal length (the form a serving engine keeps
+        them in); ``build()`` checks them vectorized, like :meth:`add`'s. token_ids: None, or one flat 1-D
+        integer array of ``sum(num_new)`` ids, request after request. The arguments are copied.
+
+        >>> from dspark_abi import BlockAllocator, PaddingPolicy, PoolBlocks
+        >>> from dspark_abi.presets import TINY
+        >>> builder = BatchBuilder(TINY, PaddingPolicy(), BlockAllocator(TINY, PoolBlocks.uniform(64)))
+        >>> builder.add_many([7, 8], num_cached=[0, 40], num_new=[3, 2])
+        >>> builder.build().positions.tolist()
+        [0, 1, 2, 40, 41]
+        """
+        self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(num_new), _copy(token_ids)))
 
     def clear(self) -> None:
         """Drop the queued requests."""
@@ -160,88 +188,105 @@ class BatchBuilder:
         None leaves them out, or an explicit list of group rows.
         On any error nothing is allocated and the queue is kept, so the caller can fix and retry.
         """
-        specs, rows = self._check_specs(list(self._pending), logit_rows)
-        ids = [s.request_id for s in specs]
-        starts = np.array([s.num_cached for s in specs], dtype=np.int64)
-        lengths = np.array([s.num_new for s in specs], dtype=np.int64)
-        plan = self.allocator.plan(ids, starts, starts + lengths)
-        batch = self._assemble(specs, starts, lengths, plan, rows)
+        step, rows = self._check_specs(list(self._pending), logit_rows)
+        plan = self.allocator.plan(step.ids.tolist(), step.cached, step.cached + step.new)
+        batch = self._assemble(step, plan, rows)
         self.allocator.commit(plan)
         self._pending.clear()
         return batch
 
     # ------------------------------------------------------------------ internals
-    def _check_specs(self, queued: list[tuple[Any, Any, Any, Any]], logit_rows: Any
-                     ) -> tuple[list[RequestSpec], str | np.ndarray | None]:
-        """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once."""
+    def _check_specs(self, queued: list[tuple[Any, Any, Any, Any] | _Many], logit_rows: Any
+                     ) -> tuple[StepRequests, str | np.ndarray | None]:
+        """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once.
+
+        Scalars from add() are converted one by one (they are Python objects); everything else is checked on
+        arrays, so an add_many() step costs no Python per request."""
         issues: list[Issue] = []
-        seen: set[int] = set()
-        max_pos = self.config.max_position_embeddings
-        chunk_cap = self.allocator.max_chunk_tokens
-        specs: list[RequestSpec] = []
-        news: list[int | None] = []  # one per queued request (None: not an exact count)
+        # per queue entry: ids, cached, new, all three exact, the id exact (duplicates are named even then)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        token_parts: list[np.ndarray | None] = []
+        index = 0                                                 # a request's index: its place in the queue
 
         def bad(i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
             issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected,
                                 actual=actual, fix=fix))
 
-        for i, (request_id, num_cached, num_new, token_ids) in enumerate(queued):  # the input is a list of requests
+        for entry in queued:
+            if isinstance(entry, _Many):
+                vectors = []
+                for arg, value, bounds in (("request_ids", entry.request_ids, _INT64),
+                                           ("num_cached", entry.num_cached, _COUNT),
+                                           ("num_new", entry.num_new, _COUNT)):
+                    vec, problem = _int_vector(value, *bounds)
+                    if vec is None:
+                        issues.append(Issue("builder.request", arg, f"{arg} must be a 1-D sequence of integers "
+                                            f"in [{bounds[0]}, {bounds[1]}], got {problem}", index=index,
+                                            expected="1-D integer sequence", actual=problem, fix=_MANY_FIX))
+                    vectors.append(vec)
+                sizes = {v.size for v in vectors if v is not None}
+                if len(sizes) > 1:
+                    issues.append(Issue("builder.request", "add_many", "request_ids, num_cached and num_new must "
+                                        "have one entry per request", index=index, expected="equal lengths",
+                                        actual=sorted(sizes), fix=_MANY_FIX))
+                count = max(sizes, default=0)
+                exact = np.full(count, len(sizes) == 1 and all(v is not None for v in vectors))
+                ids, cached, new = (v if v is not None and v.size == count else np.zeros(count, np.int64)
+                                    for v in vectors)
+                tids = None
+                if entry.token_ids is not None:
+                    tids, problem = _int_vector(entry.token_ids, *_INT64)
+                    if tids is None:
+                        bad(index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                            "1-D integer sequence", problem, _IDS_FIX)
+                    elif exact.all() and tids.size != int(new.sum()):
+                        bad(index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
+                            f"sum(num_new)={int(new.sum())}", int(new.sum()), tids.size,
+                            f"pass exactly sum(num_new)={int(new.sum())} token_ids, request after request")
+                parts.append((ids, cached, new, exact, np.full(count, vectors[0] is not None)))
+                token_parts.append(entry.token_ids if tids is None else tids)
+                index += count
+                continue
+            request_id, num_cached, num_new, token_ids = entry     # one add(): Python scalars, one by one
             rid = _exact_int(request_id, *_INT64)
             if rid is None:
-                bad(i, "request_id", f"request_id must be an integer within int64, got {_short(request_id)}",
+                bad(index, "request_id", f"request_id must be an integer within int64, got {_short(request_id)}",
                     "int64 integer", _short(request_id), _ID_FIX)
-            elif rid in seen:
-                bad(i, "request_id", f"request_id {rid} is already in this step", "unique id", rid,
-                    f"add request {rid} once per step (queue its later tokens as the next step's chunk)")
-            else:
-                seen.add(rid)
-            cached, new = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
-            news.append(new)
-            for arg, value, exact in (("num_cached", num_cached, cached), ("num_new", num_new, new)):
-                if exact is None:
-                    bad(i, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0", _short(value))
-            if cached is not None and new is not None:
-                if cached + new > max_pos:
-                    bad(i, "num_new", f"context num_cached + num_new = {cached + new} would exceed "
-                        f"max_position_embeddings={max_pos}", f"<= {max_pos}", cached + new,
-                        f"stop the request at max_position_embeddings={max_pos}: at most "
-                        f"num_new={max(0, max_pos - cached)} after num_cached={cached}")
-                if new > chunk_cap:
-                    bad(i, "num_new", f"num_new={new} is longer than the {chunk_cap} tokens one request may add in "
-                        "one step (the ring tables hold reach + that many positions)", f"<= {chunk_cap}", new,
-                        f"split the request into chunks of at most {chunk_cap} tokens over several steps")
-                if new == 0 and not self.policy.allow_empty_requests:
-                    bad(i, "num_new", "zero-length request not allowed by policy", "> 0", 0,
-                        "drop the request from this step or set PaddingPolicy(allow_empty_requests=True)")
-            if rid is not None and cached is not None and self.allocator.knows(rid):
-                have = self.allocator.cached_tokens(rid)
-                if cached != have:
-                    bad(i, "num_cached", f"request {rid} continues after {have} cached tokens, got "
-                        f"num_cached={cached}", have, cached,
-                        f"pass num_cached={have} (the tokens its earlier chunks cached) or release request {rid} "
-                        "first")
+            cached_i, new_i = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
+            for arg, value, exact_i in (("num_cached", num_cached, cached_i), ("num_new", num_new, new_i)):
+                if exact_i is None:
+                    bad(index, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0",
+                        _short(value))
             tids = None
             if token_ids is not None:
                 tids, problem = _int_vector(token_ids, *_INT64)
                 if tids is None:
-                    bad(i, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                    bad(index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
                         "1-D integer sequence", problem, _IDS_FIX)
-                elif new is not None and tids.shape != (new,):
-                    bad(i, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
-                        f"num_new={new}", (new,), tids.shape, f"pass exactly num_new={new} token_ids")
-            if rid is not None and cached is not None and new is not None:  # else an issue was recorded
-                specs.append(RequestSpec(rid, cached, new, tids))
-        if all(v is not None for v in news):
-            total = sum(v for v in news if v is not None)
-            if not news or not 1 <= total <= self.policy.token_cap:
+                elif new_i is not None and tids.shape != (new_i,):
+                    bad(index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
+                        f"num_new={new_i}", (new_i,), tids.shape, f"pass exactly num_new={new_i} token_ids")
+            ok = rid is not None and cached_i is not None and new_i is not None
+            parts.append((np.array([rid or 0], np.int64), np.array([cached_i or 0], np.int64),
+                          np.array([new_i or 0], np.int64), np.array([ok]), np.array([rid is not None])))
+            token_parts.append(token_ids if tids is None else tids)
+            index += 1
+
+        ids, cached, new, exact, id_exact = (np.concatenate([p[k] for p in parts]) if parts else
+                                             np.zeros(0, np.int64) for k in range(5))
+        exact, id_exact = exact.astype(bool), id_exact.astype(bool)
+        self._check_values(issues, ids, cached, new, exact, id_exact)
+        if exact.all():
+            total = int(new.sum())
+            inactive = total == 0 and ids.size > 0 and self.policy.allow_inactive
+            if not inactive and (ids.size == 0 or not 1 <= total <= self.policy.token_cap):
                 issues.append(Issue("qsl.token_count", "requests", "a batch needs 1..token_cap new tokens",
                                     expected=f"1..{self.policy.token_cap}", actual=total,
                                     fix=EMPTY_BATCH_FIX if total < 1 else None))
-        with_ids = {token_ids is None for *_, token_ids in queued}
-        if len(with_ids) > 1:
+        if len({t is None for t in token_parts}) > 1:
             issues.append(Issue("builder.request", "token_ids", "give token ids for every request or none",
                                 expected="all or none", actual="some",
-                                fix="pass token_ids to every add() of the step, or to none"))
+                                fix="pass token_ids to every add() or add_many() of the step, or to none"))
         rows: str | np.ndarray | None = logit_rows
         if not (logit_rows is None or (isinstance(logit_rows, str) and logit_rows == "last")):
             vec, problem = _int_vector(logit_rows, *_INT32)
@@ -252,20 +297,62 @@ class BatchBuilder:
             rows = None if vec is None else vec.astype(np.int32)
         if issues:
             raise ABIError(issues)
-        return specs, rows
+        tokens = None
+        if token_parts and token_parts[0] is not None:
+            tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
+        return StepRequests(ids, cached, new, tokens), rows
 
-    def _assemble(self, specs: list[RequestSpec], starts: np.ndarray, lengths: np.ndarray, plan: StepPlan,
-                  logit_rows: str | np.ndarray | None) -> PackedBatch:
+    def _check_values(self, issues: list[Issue], ids: np.ndarray, cached: np.ndarray, new: np.ndarray,
+                      exact: np.ndarray, id_exact: np.ndarray) -> None:
+        """The rules on the values of the exactly-typed requests, vectorized (loops run over offenders only)."""
+        max_pos, chunk_cap = self.config.max_position_embeddings, self.allocator.max_chunk_tokens
+
+        def each(mask: np.ndarray, arg: str, msg: Any, expected: Any, actual: Any, fix: Any) -> None:
+            for i in np.flatnonzero(mask).tolist():
+                issues.append(Issue("builder.request", arg, msg(i), index=i, request=i, expected=expected(i),
+                                    actual=actual(i), fix=fix(i)))
+
+        order = np.argsort(ids, kind="stable")
+        repeat = np.zeros(ids.size, dtype=bool)                   # a later request with an earlier one's id
+        ordered, valid = ids[order], id_exact[order]
+        repeat[order[1:]] = (ordered[1:] == ordered[:-1]) & valid[1:] & valid[:-1]
+        each(repeat, "request_id", lambda i: f"request_id {ids[i]} is already in this step", lambda i: "unique id",
+             lambda i: int(ids[i]),
+             lambda i: f"add request {ids[i]} once per step (queue its later tokens as the next step's chunk)")
+        past = exact & ((cached > max_pos) | (new > max_pos - np.minimum(cached, max_pos)))   # cached + new > max
+        each(past, "num_new", lambda i: f"context num_cached + num_new = {int(cached[i]) + int(new[i])} would "
+             f"exceed max_position_embeddings={max_pos}", lambda i: f"<= {max_pos}",
+             lambda i: int(cached[i]) + int(new[i]),
+             lambda i: f"stop the request at max_position_embeddings={max_pos}: at most "
+                       f"num_new={max(0, max_pos - int(cached[i]))} after num_cached={cached[i]}")
+        each(exact & (new > chunk_cap), "num_new", lambda i: f"num_new={new[i]} is longer than the {chunk_cap} "
+             "tokens one request may add in one step (the ring tables hold reach + that many positions)",
+             lambda i: f"<= {chunk_cap}", lambda i: int(new[i]),
+             lambda i: f"split the request into chunks of at most {chunk_cap} tokens over several steps")
+        if not self.policy.allow_empty_requests:
+            each(exact & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy", lambda i: "> 0",
+                 lambda i: 0, lambda i: "drop the request from this step or set "
+                                        "PaddingPolicy(allow_empty_requests=True)")
+        have = self.allocator.cached_tokens_of(ids.tolist())      # -1 for a request the allocator does not know
+        each(exact & (have >= 0) & (cached != have), "num_cached",
+             lambda i: f"request {ids[i]} continues after {have[i]} cached tokens, got num_cached={cached[i]}",
+             lambda i: int(have[i]), lambda i: int(cached[i]),
+             lambda i: f"pass num_cached={have[i]} (the tokens its earlier chunks cached) or release request "
+                       f"{ids[i]} first")
+
+    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None) -> PackedBatch:
         layout, policy = self.config.layout, self.policy
-        qsl = np.zeros(len(specs) + 1, dtype=np.int32)
+        starts, lengths = step.cached, step.new
+        qsl = np.zeros(lengths.size + 1, dtype=np.int32)
         np.cumsum(lengths, out=qsl[1:])
         n = int(qsl[-1])
         p_rows = policy.padded_rows(n)
-        row_request = np.repeat(np.arange(len(specs)), lengths)                        # [N]
+        row_request = np.repeat(np.arange(lengths.size), lengths)                      # [N]
         pos = starts[row_request] + (np.arange(n) - qsl[:-1][row_request])             # [N]
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos
-        positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
+        if p_rows > n:
+            positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
 
         # tables as narrow as the step's widest live range: O(R * pages used), not O(R * max positions)
         tables = self.allocator.step_tables(plan, starts, starts + lengths, fixed_ring=self.fixed_ring)
@@ -277,19 +364,15 @@ class BatchBuilder:
             slots[p] = s
 
         token_ids = None
-        if specs and specs[0].token_ids is not None:
+        if step.token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
-            token_ids[:n] = np.concatenate([s.token_ids for s in specs if s.token_ids is not None])
+            token_ids[:n] = step.token_ids
         # a str is "last" (anything else was refused by _check_specs)
         rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32) if isinstance(logit_rows, str) else logit_rows
-        arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": request_ids_of(specs)}
+        arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
         arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
         arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
         # validated on these private arrays (numpy memory, fast to gather from), then frozen: copied once
         check = None if self.validator is None else self.validator.validate
         return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check)
 
-
-def request_ids_of(specs: list[RequestSpec]) -> np.ndarray:
-    """[R] int64 serving ids of checked requests."""
-    return np.array([s.request_id for s in specs], dtype=np.int64)

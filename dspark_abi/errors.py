@@ -110,6 +110,34 @@ CODES: dict[str, tuple[str, str]] = {
                            "entry, pool row or position)",
                            "keep it below 2**24 = 16777216: fewer requests per call (R * table_width), smaller pools "
                            "(blocks * page_size) or shorter contexts; nothing was launched"),
+    # ---- upstream prefill tensors (dspark_abi.upstream)
+    "upstream.shape": ("an upstream prefill tensor has another dtype, rank or leading rank axis than "
+                       "l3_prefill_fwd takes, or more logit rows than it samples",
+                       "stage every metadata tensor as [TP, ...] with the entry's dtype: int32 query_start_loc, "
+                       "positions, block tables and logit_row_indices, int64 slot mappings and input_ids"),
+    "upstream.depth": ("an upstream block table is not as deep as the kernels' frozen depth, or the depth cannot "
+                       "hold the config's pages",
+                       "stage each table at its frozen depth (dspark_abi.upstream.UPSTREAM_TABLE_DEPTHS or the depths "
+                       "given), -1 past each request's span"),
+    "upstream.past_span": ("an upstream block table maps a page after its request's last live page",
+                           "stage -1 from the request's last live page + 1 up to the table depth"),
+    "upstream.state_ring_overwrite": ("two live state pages of one request share a block of an upstream state ring: "
+                                      "the call would overwrite state it still reads",
+                                      "give each request a state ring of at least ceil((state_len + chunk) / "
+                                      "page_size) + 1 blocks, or split the chunk as the issue says"),
+    # ---- kernel capabilities, checked once at start-up (dspark_abi.capabilities)
+    "capability.pool_size": ("a pool has fewer blocks than the kernel's canonical minimum",
+                             "allocate at least the canonical blocks the issue names for that pool"),
+    "capability.index_overflow": ("a pool row, byte offset or position does not fit the index type the kernel forms "
+                                  "it in (int32 byte offsets, fp32-exact rows and positions)",
+                                  "keep every pool below the first overflowing block the issue names, or use a "
+                                  "shorter context"),
+    "capability.table_depth": ("a block table is deeper than the kernel can index (R * width reaches 2**24 in fp32, "
+                               "or the config's context exceeds upstream's frozen depth)",
+                               "admit at most the requests per call the issue names, or a context the kernel is "
+                               "compiled for"),
+    "capability.token_cap": ("the policy's token cap exceeds the kernel's group capacity",
+                             "set PaddingPolicy(token_cap=...) so that align_up(token_cap, TP) <= 8192"),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dspark_abi._base import StrictModel, align_up
 
@@ -34,7 +34,19 @@ class PaddingPolicy(StrictModel):
     pad_token_id: int = Field(default=0, ge=0)
     """Token id of padding rows (when token ids are given)."""
     allow_empty_requests: bool = True
-    """Accept requests with zero new tokens (``query_start_loc[r] == query_start_loc[r+1]``)."""
+    """Accept requests with zero new tokens (``query_start_loc[r] == query_start_loc[r+1]``), e.g. repeated
+    terminal boundaries: a group with fewer requests than its dispatch's fixed R repeats N at the tail."""
+    allow_inactive: bool = False
+    """Accept an *inactive* group: ``query_start_loc`` all zero (N = 0, so P = L = 0 rows). Kernels then
+    write no cache row and return zero outputs and logits, with every logit row -1. Off by default, where
+    N = 0 is the mistake ``qsl.token_count`` reports."""
+
+    @model_validator(mode="after")
+    def _inactive_groups_have_empty_requests(self) -> PaddingPolicy:
+        if self.allow_inactive and not self.allow_empty_requests:
+            raise ValueError("allow_inactive=True needs allow_empty_requests=True: an inactive group's requests "
+                             "are all empty")
+        return self
 
     def padded_rows(self, num_tokens: int) -> int:
         """P for N live tokens."""

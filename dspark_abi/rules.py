@@ -8,6 +8,7 @@ yields one :class:`Issue` naming the first offender and the number of offenders.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,7 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
         # passes; only a batch that fails it pays for the exact per-page reports and the owner map
         owners = None if _pages_unshared(*args) else _check_pages(issues, *args)
         _check_slots(issues, pl, blocks[pool], tables[pool], slots[pool][:n_tokens], pos, row_request, live,
-                     owners, lambda: _check_pages([], *args))
+                     owners, partial(_check_pages, [], *args))
 
 
 def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolicy, qsl: np.ndarray, n_tokens: int,
@@ -109,7 +110,8 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
               expected=f"0..{config.vocab_size - 1}", actual=tid)
     if logit_rows is not None:
         _flag(issues, "logits.range", "logit_rows", (logit_rows != -1) & ((logit_rows < 0) | (logit_rows >= n)),
-              f"logit rows must be -1 or in [0, N={n})", expected=f"-1 or 0..{n - 1}", actual=logit_rows)
+              f"logit rows must be -1 or in [0, N={n})", expected=f"-1 or 0..{n - 1}" if n else "-1 (no live row)",
+              actual=logit_rows)
 
     return row_request, pos, start, end, live, request_ok & nonempty
 
@@ -241,8 +243,10 @@ def _pages_unshared(pl: PoolLayout, n_blocks: int, table: np.ndarray, start: np.
         return True
     if int(blk.min()) < 0 or int(blk.max()) >= n_blocks:
         return False
-    if _dense(n_blocks, blk.size):
-        return int(np.bincount(blk, minlength=n_blocks).max()) <= 1
+    if _dense(n_blocks, blk.size):   # distinct iff marking every used block marks blk.size of them
+        used = np.zeros(n_blocks, dtype=np.uint8)
+        used[blk.astype(np.int64)] = 1
+        return int(np.count_nonzero(used)) == blk.size
     ordered = np.sort(blk)
     return not bool((ordered[1:] == ordered[:-1]).any())
 

@@ -26,7 +26,8 @@ from dspark_abi.rules import check_deep
 Level = Literal["shape", "full"]
 
 #: Fix of ``qsl.token_count`` when N = 0 (the generic hint, "split the batch", is for N > token_cap).
-EMPTY_BATCH_FIX = "add at least one request with new tokens (num_new >= 1): an empty batch has nothing to prefill"
+EMPTY_BATCH_FIX = ("add at least one request with new tokens (num_new >= 1): an empty batch has nothing to prefill; "
+                   "for a TP group idle in this dispatch set PaddingPolicy(allow_inactive=True)")
 
 
 def subclass_issue(name: str, value: np.ndarray) -> Issue:
@@ -154,12 +155,13 @@ def _check_qsl(qsl: np.ndarray, policy: PaddingPolicy, issues: list[Issue]) -> t
     issues += order
     ok = not order
     n = int(qsl[-1])
-    if not 1 <= n <= policy.token_cap:
+    inactive = n == 0 and policy.allow_inactive and ok            # qsl all zero: an idle group
+    if not inactive and not 1 <= n <= policy.token_cap:
         issues.append(Issue("qsl.token_count", "query_start_loc", "N = query_start_loc[-1] out of range",
                             index=len(qsl) - 1, expected=f"1..{policy.token_cap}", actual=n,
                             fix=EMPTY_BATCH_FIX if n < 1 else None))
         ok = False
-    if not policy.allow_empty_requests:
+    if not policy.allow_empty_requests and not inactive:
         empty = np.flatnonzero(np.diff(qsl.astype(np.int64)) == 0)
         if empty.size:
             issues.append(Issue("qsl.empty_request", "query_start_loc", "zero-length request not allowed by policy",

@@ -146,14 +146,16 @@ def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int]
 
 def _pypto_index_issues(batch: PackedBatch, run: list[int]) -> list[Issue]:
     """``kernel.index_range`` issues of the pypto kernels' fp32 indices over ``run``: every table the layers
-    read (R * table_width), every block of its pool (blocks * page_size, not only the blocks mapped now, so a
-    geometry fails on its first call) and the positions."""
+    read (R * its column count), every block of its pool (blocks * page_size, not only the blocks mapped now, so
+    a geometry fails on its first call) and the positions."""
     cfg = batch.config
     issues = []
+    top = int(batch.positions.max(initial=0))
     for pool in sorted({p for i in run for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
         pl = cfg.layout.pools[pool]
-        issues += index_range_issues(f"{pool}_block_table", requests=batch.num_requests, width=pl.table_width,
-                                     page=pl.page_size, max_block=batch.pool_blocks[pool] - 1)
+        issues += index_range_issues(f"{pool}_block_table", requests=batch.num_requests,
+                                     width=batch.tables[pool].shape[1], page=pl.page_size,
+                                     max_block=batch.pool_blocks[pool] - 1, max_position=top, ring=pl.is_ring)
     return issues + index_range_issues("positions", requests=0, width=1, page=1, max_block=-1,
                                        max_position=int(batch.positions.max(initial=0)))
 

@@ -1,20 +1,22 @@
 """Deterministic generator of the conformance vectors (``python -m dspark_abi.conformance.vectors DIR [--check]``).
 
-Three kinds, one file each: ``valid/`` batches built by :class:`BatchBuilder`; ``invalid/`` batches
-that break exactly one rule of a valid base (expected codes stated by hand, never computed by the
-validator); ``hostile/`` files that are not readable fixtures. ``index.json`` lists every file
-with its expected outcome and SHA-256. The bytes depend only on this module (no randomness, no
-clock), so ``--check`` can compare a fresh generation byte for byte with the committed files.
+Three kinds, one file each: ``valid/`` batches built by :class:`BatchBuilder` (two of them re-laid by hand to
+other table widths: the allocator's ring width and the full 1.0 width); ``invalid/`` batches that break exactly
+one rule of a valid base (expected codes stated by hand, never computed by the validator; the geometry they need
+is restated here, not taken from :mod:`dspark_abi.layout`); ``hostile/`` files that are not readable fixtures.
+``index.json`` lists every file with its expected outcome and SHA-256. The bytes depend only on this module (no
+randomness, no clock), so ``--check`` can compare a fresh generation byte for byte with the committed files.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import attrs
@@ -29,7 +31,7 @@ from dspark_abi.conformance.runner import INDEX_NAME
 from dspark_abi.io.fixtures import encode
 from dspark_abi.io.manifest import FORMAT_VERSION, Expectation
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.presets import DEMO, FLASH, TINY
+from dspark_abi.presets import DEMO, FLASH, FLASH_16K, TINY, TINY_1M
 
 INDEX_FORMAT = "dspark.conformance_index"
 KINDS = ("valid", "invalid", "hostile")
@@ -40,6 +42,60 @@ SMALL_POOLS = {"ori": 256, "csa_cmp": 64, "hca_cmp": 32, "idx": 64, "csa_state":
 #: FLASH, one 8192-token chunk from position 0: 256 ori pages, 64 cmp/idx pages, 4096/1024 state pages.
 FLASH_POOLS = {"ori": 512, "csa_cmp": 128, "hca_cmp": 4, "idx": 128, "csa_state": 4100,
                "csa_inner_state": 4100, "hca_state": 1040}
+#: Pools for the 1,048,576-position vectors (TINY_1M, FLASH): the compressed history of a request at position
+#: p needs ceil(p / 128) csa_cmp and idx pages, an 8192-token chunk 4101 ratio-4 state pages.
+DEEP_POOLS = {"ori": 1024, "csa_cmp": 8300, "hca_cmp": 300, "idx": 8300, "csa_state": 8300,
+              "csa_inner_state": 8300, "hca_state": 2100}
+
+# The table geometry restated by hand for the vectors derived from builder output below (the oracle does not
+# call dspark_abi.layout): ring pools (page size, positions read back before a chunk; None = the window, W - 1)
+# address page i in column i % (the table's column count); compressed pools (ratio) use column = page, 32 entries
+# a page.
+_RING_POOLS: dict[str, tuple[int, int | None]] = {
+    "ori": (32, None), "csa_state": (2, 8), "csa_inner_state": (2, 8), "hca_state": (8, 128)}
+_COMPRESSED_POOLS: dict[str, int] = {"csa_cmp": 4, "hca_cmp": 128, "idx": 4}
+
+
+def _spans(arrays: dict[str, np.ndarray]) -> list[tuple[int, int]]:
+    """(first position, one past the last) of each request, from query_start_loc and positions."""
+    qsl, pos = arrays["query_start_loc"].tolist(), arrays["positions"]
+    return [(int(pos[a]), int(pos[a]) + b - a) if b > a else (0, 0) for a, b in itertools.pairwise(qsl)]
+
+
+def _ring_pages(config: ModelConfig, pool: str, s: int, e: int) -> range:
+    """Logical pages of ring pool ``pool`` that a request with new positions [s, e) reads or writes."""
+    page, reach = _RING_POOLS[pool]
+    lo = max(0, s - (config.sliding_window - 1 if reach is None else reach))
+    return range(lo // page, (e - 1) // page + 1) if e > s else range(0)
+
+
+def _full_width(config: ModelConfig, pool: str) -> int:
+    """The 1.0 table width: pages covering every position below max_position_embeddings."""
+    m = config.max_position_embeddings
+    if pool in _RING_POOLS:
+        return -(-m // _RING_POOLS[pool][0])
+    entries = -(-m // _COMPRESSED_POOLS[pool])
+    return -(-entries // 32)
+
+
+def _rewidth(config: ModelConfig, arrays: dict[str, np.ndarray], widths: dict[str, int]) -> dict[str, np.ndarray]:
+    """Copy of ``arrays`` with the named block tables re-laid to ``widths`` columns: each live page's block
+    moves from its column in the old table to its column in the new one; every other entry is -1."""
+    out = dict(arrays)
+    spans = _spans(arrays)
+    for pool, width in widths.items():
+        field = f"{pool}_block_table"
+        old = arrays[field]
+        new = np.full((old.shape[0], width), -1, np.int32)
+        if pool in _COMPRESSED_POOLS:       # column = page: keep the columns both tables have
+            keep = min(width, old.shape[1])
+            new[:, :keep] = old[:, :keep]
+        else:
+            for r, (s, e) in enumerate(spans):
+                for page in _ring_pages(config, pool, s, e):
+                    new[r, page % width] = old[r, page % old.shape[1]]
+        out[field] = new
+    return out
 
 
 @attrs.frozen(eq=False)
@@ -146,6 +202,75 @@ def valid_vectors() -> Iterator[Vector]:
     yield _valid("required_fields_only", "Only the 16 required tensors (no request_ids, token_ids, logit_rows).",
                  build(TINY, tp(tp_size=2), [[(0, 0, 3)]], token_ids=False),
                  drop=("request_ids", "token_ids", "logit_rows"))
+    drafter = TINY.model_copy(update={"dspark_target_layers": (1, 3)})
+    yield _valid("dspark_target_layers", "A config carrying the 1.1 manifest key dspark_target_layers (the DSpark "
+                 "drafter's target layers, here 1 and 3 of TINY).", build(drafter, tp(), [[(0, 0, 3)]]))
+    yield from deep_vectors()
+
+
+def _widths(arrays: dict[str, np.ndarray], pools: Iterable[str]) -> str:
+    """'ori 3, csa_state 24, ...': the column counts of the named tables (for descriptions)."""
+    return ", ".join(f"{p} {arrays[f'{p}_block_table'].shape[1]}" for p in pools)
+
+
+def _ring_width(config: ModelConfig, pool: str) -> int:
+    """The ring width BlockAllocator keeps, restated: pages of reach + 8192 positions, plus one, at most K_p."""
+    page, reach = _RING_POOLS[pool]
+    reach = config.sliding_window - 1 if reach is None else reach
+    return min(_full_width(config, pool), -(-(reach + 8192) // page) + 1)
+
+
+def deep_vectors() -> Iterator[Vector]:
+    """Valid batches at the real depth, 1,048,576 positions (1.1): ring tables, trimmed compressed tables."""
+    tp = PaddingPolicy
+    rings, compressed = tuple(_RING_POOLS), tuple(_COMPRESSED_POOLS)
+    turn = build(TINY_1M, tp(tp_size=2), [[(0, 300_000, 40), (1, 20_000, 5)]], DEEP_POOLS).to_arrays()
+    ori_w = turn["ori_block_table"].shape[1]
+    past = _valid_arrays("ring_past_one_turn", "TINY_1M (1,048,576 positions), TP 2: 40 tokens after 300,000 cached "
+                         f"and 5 after 20,000 (beyond 16,384). Ring tables as narrow as the step allows "
+                         f"({_widths(turn, rings)}): ori page 9375 sits in column 9375 % {ori_w} = {9375 % ori_w} "
+                         "and request 0's live runs wrap from the last column to column 0; compressed tables trimmed "
+                         f"to the widest live range ({_widths(turn, compressed)}).", TINY_1M, tp(tp_size=2),
+                         DEEP_POOLS, turn)
+    yield past
+    allocator = {pool: _ring_width(TINY_1M, pool) for pool in rings}
+    wide = _rewidth(TINY_1M, past.arrays, allocator)
+    yield attrs.evolve(past, name="valid/ring_allocator_width", arrays=wide, description="valid/ring_past_one_turn "
+                       f"with its ring tables laid out at the allocator's ring width ({_widths(wide, rings)}): ori "
+                       f"page 9375 in column {9375 % allocator['ori']}; other columns, the same blocks and slots (the "
+                       "modulus is each table's own column count).")
+    k_ori = _full_width(TINY_1M, "ori")
+    yield attrs.evolve(past, name="valid/ring_full_width_ori", arrays=_rewidth(TINY_1M, past.arrays, {"ori": k_ori}),
+                       description=f"valid/ring_past_one_turn with ori_block_table at the full 1.0 width ({k_ori} "
+                       "columns: page 9375 in column 9375, the modulo is the identity) next to the narrow tables of "
+                       "the other pools: each table has its own width.")
+    cont = build(TINY_1M, tp(tp_size=2), [[(0, 0, 8192)], [(0, 8192, 100), (1, 8250, 90)]], DEEP_POOLS)
+    yield _valid("ring_chunk_continuation", "TINY_1M, TP 2, second step of chunked prefill: request 0 continues at "
+                 "8192 after an 8192-token chunk; its ori pages 256..259 reuse the blocks of pages 0..3, recycled when "
+                 "they left the window, and pages 258 and 259 wrap to columns 0 and 1 of the allocator's 258-column "
+                 f"ring; request 1 has 90 tokens after 8250 ({_widths(cont.to_arrays(), rings)} columns).", cont)
+    zero = build(TINY_1M, tp(tp_size=2), [[(0, 100, 5), (1, 300_000, 0), (2, 0, 0)]], DEEP_POOLS).to_arrays()
+    yield _valid_arrays("zero_length_tail", "TINY_1M, TP 2: two zero-length requests at the tail (query_start_loc "
+                        "[0, 5, 5, 5]), one with 300,000 cached tokens: they do not widen any table "
+                        f"({_widths(zero, (*rings, *compressed))}), their rows are unspecified.", TINY_1M,
+                        tp(tp_size=2), DEEP_POOLS, zero)
+    full = build(FLASH_16K, tp(tp_size=2), [[(0, 12_000, 100)]], FLASH_POOLS)
+    widths = {pool: _full_width(FLASH_16K, pool) for pool in (*rings, *compressed)}
+    laid = _rewidth(FLASH_16K, full.to_arrays(), widths)
+    yield _valid_arrays("full_width_flash16k", "FLASH_16K, TP 2, 100 tokens after 12,000: the builder's batch with "
+                        f"every table at the full 1.0 width ({_widths(laid, (*rings, *compressed))}; page j in column "
+                        "j), as a 1.0 writer lays it out: the ring modulo is the identity, the slots are unchanged.",
+                        FLASH_16K, tp(tp_size=2), FLASH_POOLS, laid)
+    near = build(FLASH, tp(tp_size=2), [[(0, 1_048_000, 576)]], DEEP_POOLS).to_arrays()
+    yield _valid_arrays("flash_near_max_position", "FLASH (1,048,576 positions), TP 2: 576 tokens after 1,048,000 "
+                        "cached, ending at max_position_embeddings - 1: the compressed tables need every page "
+                        f"({_widths(near, compressed)}), the ring tables only the live range ({_widths(near, rings)}).",
+                        FLASH, tp(tp_size=2), DEEP_POOLS, near)
+
+
+def _valid_arrays(name: str, description: str, config: ModelConfig, policy: PaddingPolicy, pools: dict[str, int],
+                  arrays: dict[str, np.ndarray]) -> Vector:
+    return Vector(f"valid/{name}", description, config, policy, dict(pools), dict(arrays), {}, VALID)
 
 
 def _invalid(base: Vector, name: str, codes: tuple[str, ...], description: str,
@@ -197,9 +322,13 @@ def invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
                    replace("positions", b.arrays["positions"].reshape(-1, 1)))
     yield _invalid(b, "tables_request_count", ("tables.request_count",), "hca_cmp_block_table has R + 1 rows.",
                    replace("hca_cmp_block_table", np.vstack([b.arrays["hca_cmp_block_table"]] * 2)[:3]))
-    idx = b.arrays["idx_block_table"]
-    yield _invalid(b, "tables_width", ("tables.width",), "idx_block_table has one column too many.",
-                   replace("idx_block_table", np.hstack([idx, np.full((2, 1), -1, np.int32)])))
+    hca = b.arrays["hca_cmp_block_table"]
+    wide = _full_width(b.config, "hca_cmp") + 1
+    yield _invalid(b, "tables_width", ("tables.width",), f"hca_cmp_block_table has {wide} columns, one more than "
+                   "DEMO's full width (the pages of every position below max_position_embeddings).",
+                   replace("hca_cmp_block_table", np.hstack([hca, np.full((2, wide - hca.shape[1]), -1, np.int32)])))
+    yield _invalid(b, "tables_width_empty", ("tables.width",), "hca_cmp_block_table has no column (fewer than 1).",
+                   replace("hca_cmp_block_table", hca[:, :0]))
     yield _invalid(b, "tables_block_range", ("tables.block_range",), "Request 0's window page 0 maps to block "
                    "pool_blocks (one past the last).", put("ori_block_table", (0, 0), n_ori))
     yield _invalid(b, "tables_block_range_negative", ("tables.block_range",), "Request 0's window page 0 is -2.",
@@ -211,15 +340,18 @@ def invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
     yield _invalid(b, "isolation_foreign_write", ("isolation.foreign_write",), "Request 0's window page 0 maps to "
                    "the block request 1 writes positions 32..33 into.", put("ori_block_table", (0, 0), int(ori[1, 1])))
     st = b.arrays["csa_state_block_table"]
+    sw = st.shape[1]
     yield _invalid(b, "state_ring_alias", ("state.ring_alias",), "Request 0's csa_state history page 59 (positions "
-                   "118..119) shares a block with page 60.", put("csa_state_block_table", (0, 59), int(st[0, 60])))
+                   f"118..119, column 59 % {sw}) shares a block with page 60 (column 60 % {sw}).",
+                   put("csa_state_block_table", (0, 59 % sw), int(st[0, 60 % sw])))
     yield _invalid(b, "positions_negative", ("positions.negative",), "Request 1 starts at position -1.",
                    replace("positions", np.array([126, 127, 128, -1, 0, 1, 2, 0], np.int32)))
     yield _invalid(b, "positions_not_contiguous", ("positions.not_contiguous",), "Request 0 skips position 128.",
                    put("positions", 2, 129))
-    yield _invalid(b, "positions_out_of_range", ("positions.out_of_range",), "Request 1 runs from 4095 past "
-                   "max_position_embeddings = 4096.", replace("positions", np.array([126, 127, 128, 4095, 4096,
-                                                                                      4097, 4098, 0], np.int32)))
+    last = b.config.max_position_embeddings - 1
+    yield _invalid(b, "positions_out_of_range", ("positions.out_of_range",), f"Request 1 runs from {last} past "
+                   f"max_position_embeddings = {last + 1}.",
+                   replace("positions", np.array([126, 127, 128, last, last + 1, last + 2, last + 3, 0], np.int32)))
     yield _invalid(b, "padding_position", ("padding.position",), "Padding row 7 has position 1 under "
                    "pad_position = 'zero'.", put("positions", 7, 1))
     end = valid["valid/near_max_position"]
@@ -252,6 +384,46 @@ def invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
                    put("ori_slot_mapping", 1, int(b.arrays["ori_slot_mapping"][0])))
     bad_hidden = b.extras["hidden"].astype(np.int32)
     yield _invalid(b, "hidden_dtype", ("array.dtype",), "extra.hidden stored as int32.", extras={"hidden": bad_hidden})
+    yield from deep_invalid_vectors(valid)
+
+
+def deep_invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
+    """Mutations of valid/ring_past_one_turn (TINY_1M; request 0: positions 300,000..300,039)."""
+    d = valid["valid/ring_past_one_turn"]
+    state = d.arrays["csa_state_block_table"]
+
+    def cut(field: str, width: int) -> Callable[[dict[str, np.ndarray]], None]:
+        def edit(a: dict[str, np.ndarray]) -> None:
+            a[field] = np.ascontiguousarray(a[field][:, :width])
+        return edit
+
+    need = len(_ring_pages(d.config, "csa_state", 300_000, 300_040))        # pages 149996..150019
+    yield _invalid(d, "tables_width_ring_short", ("tables.width",), f"csa_state_block_table cut from "
+                   f"{state.shape[1]} to {need - 1} columns, one fewer than the {need} pages of request 0's live "
+                   "range [299992, 300040): the ring would wrap onto itself.", cut("csa_state_block_table", need - 1))
+    last_page = (300_040 // 4 - 1) // 32                                    # entries [0, 75010): page 2344
+    yield _invalid(d, "tables_width_compressed_short", ("tables.width",), f"csa_cmp_block_table trimmed to "
+                   f"{last_page} columns: request 0's last live page, {last_page}, is not in the table.",
+                   cut("csa_cmp_block_table", last_page))
+
+    # A writer of request 0 whose page, read without the modulo (its offset in the live run, as in a table that
+    # starts at the run's first page), names another column holding a page the call only reads: its slot then
+    # lands on a row no token of the call writes, so the only fault is the slot formula.
+    hca_w = d.arrays["hca_state_block_table"].shape[1]
+    run = _ring_pages(d.config, "hca_state", 300_000, 300_040)             # pages 37484..37504
+    written = range(300_000 // 8, (300_040 - 1) // 8 + 1)
+    row, position, page, column, target = next(
+        (k, p, p // 8, p // 8 - run.start, q) for k, p in enumerate(range(300_000, 300_040))
+        for q in run if p // 8 - run.start < hca_w and (p // 8 - run.start) % hca_w != (p // 8) % hca_w
+        and q % hca_w == p // 8 - run.start and q not in written)
+
+    def window_relative(a: dict[str, np.ndarray]) -> None:
+        a["hca_state_slot_mapping"][row] = int(a["hca_state_block_table"][0, column]) * 8 + position % 8
+
+    yield _invalid(d, "slots_without_modulo", ("slots.mismatch",), f"Row {row} (request 0, position {position:,}, "
+                   f"hca_state page {page}) writes through column {column} = {page} - {run.start}, the page's offset "
+                   f"in its live run (the table read without the ring modulo), instead of column {page} % {hca_w} = "
+                   f"{page % hca_w}; column {column} holds page {target}, which the call only reads.", window_relative)
 
 
 def all_vectors() -> list[Vector]:

@@ -70,6 +70,11 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
     inputs = np.asarray(hidden_or_token_ids)
     token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else batch.token_ids
     _check(batch, inputs, token_ids, weights, caches, prec, run, rows, rank, all_gather)
+    if batch.num_tokens == 0:   # an inactive group (PaddingPolicy.allow_inactive): no row, nothing written
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        return ForwardResult(x_hc=np.zeros((0, hc, d), np.float32), hidden=np.zeros((0, d), np.float32),
+                             logit_rows=rows.astype(np.int32), logits=np.zeros((rows.size, cfg.vocab_size), np.float32),
+                             sampled=np.full(rows.size, -1, np.int64))
     plan = BatchPlan.build(batch, rank=rank, precision=prec)
     backend = attend if attention is None else attention
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared

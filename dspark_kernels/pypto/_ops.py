@@ -1,5 +1,5 @@
 """What the pypto kernels share: their tiling rules and masked values, and the building blocks traced inside
-them (int8 row quantisation, RMSNorm, interleaved RoPE).
+them (paged table lookups, int8 row quantisation, RMSNorm, interleaved RoPE).
 
 Each building block takes and returns pypto tensors and is called while a ``@kernel`` function is traced;
 each mirrors the model's numerics (:mod:`dspark_kernels.model.numerics` / :mod:`~dspark_kernels.model.rope`)
@@ -31,6 +31,56 @@ def tile(n: int, cap: int) -> int:
     while t * 2 <= min(n, cap):
         t *= 2
     return t
+
+
+def ring_column(page: Tensor, width: int) -> Tensor:
+    """``page mod width`` (in ``[0, width)``) of an fp32 tensor of integer pages, exactly: a ring table's column.
+
+    ``q = floor(page * fl(1 / width))``, ``r = page - q * width``, then one correction each way:
+    ``r < 0 -> r + width`` and ``r >= width -> r - width``. Why this is exact for integer pages
+    ``|page| < 2**24`` and ``|page| + width <= 2**24`` (:func:`~dspark_kernels.pypto.index_guard.index_range_issues`
+    checks this with ``ring=True``): ``fl(1 / width)`` and the product are two roundings, so the computed
+    quotient is ``(page / width)(1 + d)`` with ``|d| <= 2**-23 + 2**-48``, an absolute error below
+    ``2**24 / width * 2**-23 <= 2 / 3`` for ``width >= 3`` (``width`` 1 or 2: ``1 / width`` and the product are
+    exact). The error is < 1, so ``q`` is the true quotient or off by one (it is, e.g., at page 41 of a 41-wide
+    table: ``41 * fl(1/41)`` rounds to just below 1). ``q * width`` is an integer of magnitude
+    ``<= |page| + width <= 2**24``, hence exact, and ``r`` is an integer in ``(-width, 2 * width)``, so the
+    subtraction is exact too; an off-by-one ``q`` leaves ``r`` exactly one width outside ``[0, width)``, which
+    the matching correction (exact integer arithmetic again) removes.
+    """
+    w = float(width)
+    q = pypto.floor(pypto.mul(page, 1.0 / width))
+    r = pypto.sub(page, pypto.mul(q, w))
+    r = pypto.where(pypto.lt(r, 0.0), pypto.add(r, w), r)
+    return pypto.where(pypto.ge(r, w), pypto.sub(r, w), r)
+
+
+def table_rows(table: Tensor, request: Tensor, logical: Tensor, live: Tensor, *, width: int, page: int,
+               ring: bool) -> Tensor:
+    """Physical rows (fp32, -1 = none) of logical indices through each one's request table (the ABI's slot
+    formula, :func:`dspark_abi.layout.physical_rows`): ``table[request, column] * page + logical % page``.
+
+    table: [R * width] int32, the [R, width] table flattened; request, logical: fp32 [rows, cols] (integers);
+    live: bool [rows, cols], False = no row. page: the pool's page size (a power of two: ``1 / page`` and the
+    floor are exact). ring: the table is a ring table (``PoolLayout.is_ring``): page ``i // page`` sits in
+    column ``(i // page) % width`` (:func:`ring_column`); otherwise in column ``i // page``, and a page
+    beyond the table (a trimmed compressed table) gives -1, never a wrap. A negative request or logical index
+    and an unmapped block (-1) give -1. Every value is an fp32 integer below 2**24 (the launchers' guard).
+    """
+    rows, cols = logical.shape
+    logical_page = pypto.floor(pypto.mul(logical, 1.0 / page))
+    offset = pypto.sub(logical, pypto.mul(logical_page, float(page)))
+    live = pypto.logical_and(live, pypto.logical_and(pypto.ge(request, 0.0), pypto.ge(logical, 0.0)))
+    if ring:
+        column = ring_column(logical_page, width)
+    else:
+        column = logical_page
+        live = pypto.logical_and(live, pypto.lt(logical_page, float(width)))
+    entry = pypto.where(live, pypto.add(pypto.mul(request, float(width)), column), 0.0)
+    flat = pypto.reshape(pypto.cast(entry, pypto.DT_INT32), [rows * cols])
+    block = pypto.cast(pypto.reshape(pypto.index_select(table, 0, flat), [rows, cols]), pypto.DT_FP32)
+    mapped = pypto.logical_and(live, pypto.ge(block, 0.0))
+    return pypto.where(mapped, pypto.add(pypto.mul(block, float(page)), offset), -1.0)
 
 
 def int8_rows(v: Tensor) -> tuple[Tensor, Tensor]:

@@ -33,6 +33,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import PackedBatch
+from dspark_abi.pools import TABLE_FIELDS
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
 from dspark_kernels.model.caches import LayerCaches
@@ -113,6 +114,7 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
     from dspark_kernels.pypto.window import run_window
 
     batch, config = plan.batch, plan.config
+    pools = config.layout.pools  # each table's addressing (ring or not) comes from its PoolLayout
     kind = config.layer_kind(layer)
     xn = narrow(x, PRECISION)
     eps = config.rms_norm_eps
@@ -127,7 +129,7 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
         state = f"{kind}_state"
         b, (entries,) = compress_into(xn, plan.positions, plan.request, batch.slots[state], batch.tables[state],
                                       caches.pool(state), w.compressor, start.cos, start.sin,
-                                      page_size=config.layout.pools[state].page_size, eps=eps,
+                                      page_size=pools[state].page_size, eps=eps, ring=pools[state].is_ring,
                                       boundaries=plan.boundaries[ratio])
         scatter_into(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
         if kind == "csa":
@@ -135,8 +137,9 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
             b, (idx, idx_scale) = compress_into(xn, plan.positions, plan.request, batch.slots[inner],
                                                 batch.tables[inner], caches.pool(inner),
                                                 _given(w.idx_compressor, "indexer.compressor"), start.cos,
-                                                start.sin, page_size=config.layout.pools[inner].page_size, eps=eps,
-                                                hadamard=w.idx_hadamard, boundaries=plan.boundaries[INDEX_RATIO])
+                                                start.sin, page_size=pools[inner].page_size, eps=eps,
+                                                ring=pools[inner].is_ring, hadamard=w.idx_hadamard,
+                                                boundaries=plan.boundaries[INDEX_RATIO])
             scatter_into(caches.pool("idx"), batch.slots["idx"][b], idx, bf16=False)
             scatter_into(caches.pool("idx_scale"), batch.slots["idx"][b], idx_scale, bf16=False)
 
@@ -150,14 +153,16 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
     q, qr_q, qr_scale = (v.astype(np.float32) for v in run_query(
         q_x, w.wq_a, w.q_norm, w.wq_b, _given(w.wq_b_scale, "wq_b scale"), q_cos, q_sin, config.num_attention_heads,
         eps).values[-3:])
-    window = run_window(q_pos, request, batch.tables["ori"], config.sliding_window).values[-1]
+    window = run_window(q_pos, request, batch.tables["ori"], config.sliding_window,
+                        ring=pools["ori"].is_ring).values[-1]
     cmp_rows, cmp_pool = None, None
     if kind == "csa":
         top = np.full((hi - lo, config.index_topk), -1, np.int32)
         columns = int(plan.visible[INDEX_RATIO][lo:hi].max(initial=0))
         if columns > 0:  # candidates: the request's own visible idx entries, through its table
-            candidates = run_entry_rows(q_pos, request, batch.tables["idx"], None, ratio=INDEX_RATIO,
-                                        columns=columns).values[-1]
+            candidates = run_entry_rows(q_pos, request, batch.tables["idx"], None, ring=pools["idx"].is_ring,
+                                        ratio=INDEX_RATIO, columns=columns,
+                                        table_name=TABLE_FIELDS["idx"]).values[-1]
             top = run_indexer(qr_q, qr_scale, _given(w.idx_wq_b, "indexer.wq_b"),
                               _given(w.idx_wq_b_scale, "indexer.wq_b scale"), q_x,
                               _given(w.idx_weights_proj, "indexer.weights_proj"), q_cos, q_sin,
@@ -165,14 +170,15 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
                               candidates,
                               heads=config.index_n_heads, topk=config.index_topk,
                               weight_scale=config.index_weight_scale).values[-1]
-        cmp_rows = run_entry_rows(q_pos, request, batch.tables["csa_cmp"], top).values[-1]
+        cmp_rows = run_entry_rows(q_pos, request, batch.tables["csa_cmp"], top, ring=pools["csa_cmp"].is_ring,
+                                  table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
         cmp_pool = caches.pool("csa_cmp")
     elif kind == "hca":
         ratio = config.compress_ratios[layer]
         columns = int(plan.visible[ratio][lo:hi].max(initial=0))
         if columns > 0:  # HCA dense: every visible entry through the request's table
-            cmp_rows = run_entry_rows(q_pos, request, batch.tables["hca_cmp"], None, ratio=ratio,
-                                      columns=columns).values[-1]
+            cmp_rows = run_entry_rows(q_pos, request, batch.tables["hca_cmp"], None, ring=pools["hca_cmp"].is_ring,
+                                      ratio=ratio, columns=columns, table_name=TABLE_FIELDS["hca_cmp"]).values[-1]
             cmp_pool = caches.pool("hca_cmp")
     o = run_sparse_attention(q, window, cmp_rows, caches.ori, cmp_pool, w.attn_sink, q_cos, q_sin,
                              scale=config.softmax_scale).values[-1].astype(np.float32)

@@ -17,15 +17,17 @@ Three steps, each a kernel; every write happens through a slot mapping:
 3. The entries go to ``csa_cmp`` / ``hca_cmp`` (or ``idx`` + ``idx_scale``) through the compressed slot
    mapping of the boundary rows, with the scatter kernel again.
 
-``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R requests; width = state
-table width; all shapes static per call): ``positions``, ``request_ids`` [B, 1] int32; ``state_table``
+``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R requests; width = the state
+table's own columns, a ring table: page ``i // page`` in column ``(i // page) % width``; all shapes static per
+call): ``positions``, ``request_ids`` [B, 1] int32; ``state_table``
 [R * width] int32 flattened; ``state`` [S, 2*coff*d] fp32 (after step 1); ``norm`` [1, d] fp32 (bf16 values);
 ``cos``, ``sin`` [B, rd/2] bf16 at the window start; out ``entries`` [B, d] bf16, or with ``hadamard``
 [d, d] bf16 in: out ``idx`` [B, d] int8 and ``idx_scale`` [B, 1] fp32.
 
-The window's state rows (``_window_state_rows``) are fp32 index arithmetic, exact below 2**24: ``run_pool``
-and ``compress_into`` raise ``ABIError`` ``kernel.index_range`` before any kernel runs (and before the ring
-is written) when R * width, a pool row or a position would reach it (:mod:`.index_guard`).
+The window's state rows (``_window_state_rows``) are fp32 index arithmetic, exact below 2**24, with the ring
+column computed in-kernel and exactly (:func:`~dspark_kernels.pypto._ops.ring_column`): ``run_pool`` and
+``compress_into`` raise ``ABIError`` ``kernel.index_range`` before any kernel runs (and before the ring is
+written) when R * width, a pool row, a position or a ring quotient would reach it (:mod:`.index_guard`).
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
@@ -39,7 +41,7 @@ from dspark_abi import ABIError
 from dspark_kernels.model.checks import check_window_coverage
 from dspark_kernels.model.geometry import OVERLAP_RATIO, boundary_rows, coff, window_span
 from dspark_kernels.model.prepared import PreparedCompressor
-from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rms_norm, tile
+from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rms_norm, table_rows, tile
 from dspark_kernels.pypto.index_guard import check_table, table_issues
 from dspark_kernels.pypto.paged import run_scatter
 from dspark_kernels.pypto.projections import rope_heads
@@ -80,8 +82,11 @@ def state_rows_kernel(rows: int, hidden: int, width: int, ratio: int) -> Any:
     return state_rows
 
 
-def _window_state_rows(positions: Any, request_ids: Any, table: Any, span: int, width: int, page: int) -> Any:
-    """[B, span] fp32 physical state rows of positions p-span+1..p through each row's table; -1 = missing."""
+def _window_state_rows(positions: Any, request_ids: Any, table: Any, span: int, width: int, page: int,
+                       ring: bool) -> Any:
+    """[B, span] fp32 physical state rows of positions p-span+1..p through each row's table; -1 = missing.
+
+    ring: the state table is a ring table (``PoolLayout.is_ring``, True for the state pools)."""
     rows = positions.shape[0]
     pypto.set_vec_tile_shapes(span)
     column = pypto.reshape(pypto.cast(pypto.arange(span), pypto.DT_FP32), [1, span])
@@ -89,16 +94,8 @@ def _window_state_rows(positions: Any, request_ids: Any, table: Any, span: int, 
     k = pypto.expand_clone(column, [rows, span])
     start = pypto.expand_clone(pypto.cast(pypto.sub(positions, span - 1), pypto.DT_FP32), [rows, span])
     slot_pos = pypto.add(start, k)                                                             # p - span + 1 + k
-    logical_page = pypto.floor(pypto.mul(slot_pos, 1.0 / page))
-    offset = pypto.sub(slot_pos, pypto.mul(logical_page, float(page)))
     request = pypto.expand_clone(pypto.cast(request_ids, pypto.DT_FP32), [rows, span])
-    live = pypto.logical_and(pypto.logical_and(pypto.ge(slot_pos, 0.0), pypto.ge(request, 0.0)),
-                             pypto.lt(logical_page, float(width)))
-    entry = pypto.where(live, pypto.add(pypto.mul(request, float(width)), logical_page), 0.0)
-    flat = pypto.reshape(pypto.cast(entry, pypto.DT_INT32), [rows * span])
-    block = pypto.cast(pypto.reshape(pypto.index_select(table, 0, flat), [rows, span]), pypto.DT_FP32)
-    mapped = pypto.logical_and(live, pypto.ge(block, 0.0))
-    return pypto.where(mapped, pypto.add(pypto.mul(block, float(page)), offset), -1.0)
+    return table_rows(table, request, slot_pos, pypto.ge(slot_pos, 0.0), width=width, page=page, ring=ring)
 
 
 def _pooled(state: Any, rows_f: Any, ratio: int, dim: int) -> Any:
@@ -130,13 +127,14 @@ def _pooled(state: Any, rows_f: Any, ratio: int, dim: int) -> Any:
 
 @lru_cache(maxsize=16)
 def pool_kernel(rows: int, requests: int, width: int, state_rows_n: int, dim: int, ratio: int, page: int,
-                rope: int, eps: float, indexer: bool) -> Any:
-    """Window pooling of B boundary rows (module docstring); ``indexer`` adds Hadamard + int8 outputs."""
+                rope: int, eps: float, indexer: bool, *, ring: bool) -> Any:
+    """Window pooling of B boundary rows (module docstring); ``indexer`` adds Hadamard + int8 outputs; ``ring``:
+    the state table is a ring table (``PoolLayout.is_ring``)."""
     span, halves = window_span(ratio), coff(ratio)
 
     def entries_of(positions: Any, request_ids: Any, state_table: Any, state: Any, norm: Any, cos: Any,
                    sin: Any) -> tuple[Any, Any]:
-        rows_f = _window_state_rows(positions, request_ids, state_table, span, width, page)
+        rows_f = _window_state_rows(positions, request_ids, state_table, span, width, page, ring)
         pooled = _pooled(state, rows_f, ratio, dim)
         pypto.set_vec_tile_shapes(16, 128)
         y = rms_norm(pooled, norm, eps)
@@ -199,18 +197,20 @@ def run_state_rows(x: np.ndarray, wkv: np.ndarray, wgate: np.ndarray, ape: np.nd
 
 
 def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.ndarray, state: np.ndarray,
-             norm: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, ratio: int, page: int, eps: float,
+             norm: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, ratio: int, page: int, eps: float, ring: bool,
              hadamard: np.ndarray | None = None) -> LaunchResult:
     """Pool the windows of B boundary rows (positions, request_ids [B]; cos/sin [B, rd/2] at the window start).
+
+    ring: ``config.layout.pools[state pool].is_ring`` (True: columns are pages modulo the table's width).
 
     ``values[-1]`` = entries [B, 1, d] bf16; with ``hadamard``: ``values[-2:]`` = idx [B, d] int8, idx_scale [B, 1].
     """
     rows = len(positions)
     table = np.asarray(state_table, np.int32)
-    check_table("state_table", table, page, positions)  # fp32 window rows exact, before any kernel
+    check_table("state_table", table, page, positions, ring=ring)  # fp32 window rows exact, before any kernel
     dim = norm.shape[-1]
     k = pool_kernel(rows, table.shape[0], table.shape[1], state.shape[0], dim, ratio, page, 2 * cos.shape[1],
-                    float(eps), hadamard is not None)
+                    float(eps), hadamard is not None, ring=ring)
     args = [np.asarray(positions, np.int32).reshape(-1, 1), np.asarray(request_ids, np.int32).reshape(-1, 1),
             table.reshape(-1), np.asarray(state, np.float32), np.asarray(norm, np.float32).reshape(1, -1),
             cos.astype(BF16), sin.astype(BF16)]
@@ -222,14 +222,16 @@ def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.nda
 
 def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
                   state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor, cos: np.ndarray,
-                  sin: np.ndarray, *, page_size: int, eps: float, hadamard: np.ndarray | None = None,
+                  sin: np.ndarray, *, page_size: int, eps: float, ring: bool, hadamard: np.ndarray | None = None,
                   boundaries: np.ndarray | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """One compressor over a TP group's rows through pypto; **mutates** ``state_pool`` (the ring).
 
     x [P, X] (bf16 values); positions, request [P] (-1 padding); state_slots [P] int64 (-1 = no write);
-    state_table [R, width] int32; state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor``
-    (a2a3); cos, sin [P, rd/2] at each row's window start; boundaries: the plan's boundary rows of this ratio
-    (derived from positions and request when None). Returns (boundary rows b [B] int64, outputs):
+    state_table [R, width] int32 (ring: ``PoolLayout.is_ring`` of the state pool, True in the ABI: page
+    ``i // page_size`` in column ``(i // page_size) % width``; the coverage check reads it as a ring table too);
+    state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor`` (a2a3); cos, sin [P, rd/2] at each
+    row's window start; boundaries: the plan's boundary rows of this ratio (derived from positions and request
+    when None). Returns (boundary rows b [B] int64, outputs):
     outputs = (entries [B, d] float32 bf16 values,) or, with ``hadamard``, (idx [B, d] int8, idx_scale [B]).
     Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped, and
     ``kernel.index_range`` if the pooling kernel's fp32 indices would round.
@@ -237,7 +239,7 @@ def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, sta
     ratio = weights.ratio
     b = boundary_rows(positions, request, ratio) if boundaries is None else np.asarray(boundaries, np.int64)
     issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table", b)
-    issues += table_issues("state_table", state_table, page_size, positions)
+    issues += table_issues("state_table", state_table, page_size, positions, ring=ring)
     if issues:
         raise ABIError(issues)
     rows = run_state_rows(x, weights.wkv, weights.wgate, weights.ape, positions).values[-1]
@@ -247,7 +249,7 @@ def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, sta
         return b, ((np.zeros((0, d), np.int8), np.zeros(0, np.float32)) if hadamard is not None
                    else (np.zeros((0, d), np.float32),))
     result = run_pool(np.asarray(positions)[b], np.asarray(request)[b], state_table, state_pool, weights.norm,
-                      cos[b], sin[b], ratio=ratio, page=page_size, eps=eps, hadamard=hadamard)
+                      cos[b], sin[b], ratio=ratio, page=page_size, eps=eps, ring=ring, hadamard=hadamard)
     if hadamard is not None:
         return b, (result.values[-2], result.values[-1][:, 0])
     return b, (result.values[-1][:, 0].astype(np.float32),)

@@ -120,3 +120,43 @@ def test_batch_is_frozen_and_private():
         batch.positions[0] = 5
     with pytest.raises(AttributeError):
         batch.positions = None
+
+
+def test_add_many_builds_what_add_builds():
+    rng = np.random.default_rng(4)
+    ids, cached, new = np.array([5, 9, 2, 7]), rng.integers(0, 500, 4), np.array([3, 0, 11, 6])
+    tokens = rng.integers(0, TINY.vocab_size, int(new.sum()))
+    one, _ = _builder(tp=2)
+    offsets = np.concatenate([[0], np.cumsum(new)])
+    for i in range(4):
+        one.add(int(ids[i]), int(cached[i]), int(new[i]), token_ids=tokens[offsets[i]:offsets[i + 1]])
+    many, _ = _builder(tp=2)
+    many.add_many(ids[:2], cached[:2], new[:2], token_ids=tokens[: offsets[2]])   # two calls mix fine
+    many.add_many(ids[2:].tolist(), cached[2:].tolist(), new[2:].tolist(), token_ids=tokens[offsets[2]:])
+    assert one.build() == many.build()
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (([1, 2], [0, 0, 0], [1, 1]), "add_many"),                  # one entry per request
+    (([1, 2], [0.0, 0.0], [1, 1]), "num_cached"),               # floats are not counts
+    (([1, 2], [0, -3], [1, 1]), "num_cached"),
+    ((np.array([[1, 2]]), [0, 0], [1, 1]), "request_ids"),      # 1-D only
+    (([1, 1], [0, 0], [1, 1]), "request_id"),                   # unique ids
+])
+def test_add_many_refuses_bad_arrays_with_the_argument_named(args, field):
+    builder, alloc = _builder()
+    builder.add_many(*args)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"builder.request"}
+    assert field in {i.field for i in err.value.issues}
+    assert alloc.free_blocks("ori") == 256 and len(builder._pending) == 1   # nothing allocated, queue kept
+
+
+def test_add_many_token_ids_count_is_checked():
+    builder, _ = _builder()
+    builder.add_many([0, 1], [0, 0], [2, 3], token_ids=[1, 2, 3, 4])
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    (issue,) = err.value.issues
+    assert issue.field == "token_ids" and issue.expected == 5 and issue.actual == 4

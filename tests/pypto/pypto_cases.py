@@ -32,11 +32,33 @@ def scatter_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list
     return [run_scatter(pool, values, slots).values[0] for pool, values, slots in cases]
 
 
-def window_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]) -> list[np.ndarray]:
-    """Window rows for each (positions, request_ids, ori_table, window)."""
+def window_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, bool]]) -> list[np.ndarray]:
+    """Window rows for each (positions, request_ids, ori_table, window, ring = the ori PoolLayout's is_ring)."""
     from dspark_kernels.pypto.window import run_window
 
-    return [run_window(*case).values[-1] for case in cases]
+    return [run_window(pos, req, table, window, ring=ring).values[-1] for pos, req, table, window, ring in cases]
+
+
+def ring_columns_many(cases: list[tuple[np.ndarray, int]]) -> list[np.ndarray]:
+    """Per (pages [rows, cols] int32, width): ``_ops.ring_column`` of every page, traced in a kernel (int32)."""
+    from dspark_kernels.pypto.runtime import Out, launch
+
+    return [launch(_ring_column_kernel(*pages.shape, width), [pages, Out(pages.shape, np.int32, "columns")])
+            .values[-1] for pages, width in cases]
+
+
+def _ring_column_kernel(rows: int, cols: int, width: int):
+    from dspark_kernels.pypto._ops import ring_column
+    from dspark_kernels.pypto.runtime import kernel, pypto
+
+    @kernel
+    def ring_columns(pages: pypto.Tensor([rows, cols], pypto.DT_INT32),
+                     out: pypto.Tensor([rows, cols], pypto.DT_INT32)):
+        _sizes = (rows, cols, width)  # closure capture: the annotations read these
+        pypto.set_vec_tile_shapes(16, cols)
+        out[:] = pypto.cast(ring_column(pypto.cast(pages, pypto.DT_FP32), width), pypto.DT_INT32)
+
+    return ring_columns
 
 
 def o_proj_many(cases: list[tuple]) -> list[np.ndarray]:
@@ -68,37 +90,40 @@ def sparse_attention_many(cases: list[tuple]) -> list[np.ndarray]:
 
 
 def entry_rows_many(cases: list[tuple]) -> list[np.ndarray]:
-    """Per (positions, request_ids, table, entries or None, ratio, columns): physical rows [T, K] int32."""
+    """Per (positions, request_ids, table, entries or None, ratio, columns, ring = the table's PoolLayout.is_ring):
+    physical rows [T, K] int32."""
     from dspark_kernels.pypto.entry_rows import run_entry_rows
 
-    return [run_entry_rows(pos, req, table, entries, ratio=ratio, columns=columns).values[-1]
-            for pos, req, table, entries, ratio, columns in cases]
+    return [run_entry_rows(pos, req, table, entries, ring=ring, ratio=ratio, columns=columns).values[-1]
+            for pos, req, table, entries, ratio, columns, ring in cases]
 
 
 def compress_many(cases: list[tuple]) -> list[tuple]:
     """Per compress_into argument tuple (x, positions, request, slots, table, state, weights, cos, sin, page,
-    eps, hadamard): (boundary rows, outputs, state pool after the call)."""
+    eps, hadamard, ring = the state PoolLayout's is_ring): (boundary rows, outputs, state pool after the call)."""
     from dspark_kernels.pypto.compressor import compress_into
 
     out = []
-    for x, pos, req, slots, table, state, weights, cos, sin, page, eps, hadamard in cases:
+    for x, pos, req, slots, table, state, weights, cos, sin, page, eps, hadamard, ring in cases:
         state = state.copy()
         b, values = compress_into(x, pos, req, slots, table, state, weights, cos, sin, page_size=page, eps=eps,
-                                  hadamard=hadamard)
+                                  ring=ring, hadamard=hadamard)
         out.append((b, values, state))
     return out
 
 
 def indexer_many(cases: list[tuple]) -> list[np.ndarray]:
     """Per (positions, request, idx_table, lrq_q, lrq_scale, prepared weights, x, cos, sin, idx, idx_scale, heads,
-    topk, weight_scale, rounds): candidates through the entry-rows kernel, then the indexer's top-k [T, k]."""
+    topk, weight_scale, rounds, ring = the idx PoolLayout's is_ring): candidates through the entry-rows kernel,
+    then the indexer's top-k [T, k]."""
     from dspark_kernels.pypto.entry_rows import run_entry_rows
     from dspark_kernels.pypto.indexer import run_indexer
 
     out = []
-    for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale, rounds in cases:
+    for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale, rounds, ring \
+            in cases:
         columns = max(1, int(np.where(req >= 0, (pos + 1) // 4, 0).max()))
-        candidates = run_entry_rows(pos, req, table, None, ratio=4, columns=columns).values[-1]
+        candidates = run_entry_rows(pos, req, table, None, ring=ring, ratio=4, columns=columns).values[-1]
         out.append(run_indexer(qr_q, qr_scale, w.idx_wq_b, w.idx_wq_b_scale, x, w.idx_weights_proj, cos, sin,
                                w.idx_hadamard, idx, idx_scale, candidates, heads=heads, topk=topk,
                                weight_scale=weight_scale, rounds=rounds).values[-1])

@@ -3,12 +3,18 @@
 ``packed_batch()``: TP 2, three requests: 3 tokens after 126 cached (crosses a 32-row page, position 127 is a
 ratio-4 and ratio-128 boundary), 4 tokens after 30 cached (crosses the rank boundary: rows 3..6 with L = 5)
 and 2 fresh tokens; N = 9, P = 10, one padding row.
+
+``ring_batch()``: the same heads at 1,048,576 positions (``tiny-1m``): ring tables (ori, state pools) far
+narrower than the positions' pages, so their columns are pages modulo the width, and trimmed compressed
+tables. :func:`rewidth` re-lays a ring table at another width (same blocks), :func:`uncorrected_ring_rows`
+emulates a lookup whose fp32 column skips the off-by-one correction (what the comparison must tell apart).
 """
 
 import numpy as np
 
 from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
-from dspark_abi.presets import TINY
+from dspark_abi.layout import table_column, touched_pages
+from dspark_abi.presets import TINY, TINY_1M
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.numerics import bf16_round
 
@@ -66,7 +72,7 @@ def attention_core_inputs(batch, layer: int, rank: int, seed: int, key_tile: int
     from dspark_kernels.reference.window import window_rows
 
     rng = np.random.default_rng([seed, layer, rank])
-    c = CONFIG
+    c = batch.config
     kind = c.layer_kind(layer)
     view = batch.rank(rank)
     pos, req = view.positions.astype(np.int64), view.local_request_ids.astype(np.int64)
@@ -78,17 +84,18 @@ def attention_core_inputs(batch, layer: int, rank: int, seed: int, key_tile: int
         for t in range(rows):  # test data: a random top-k-shaped selection per row
             n = min(c.index_topk, int(visible[t]))
             entries[t, :n] = rng.permutation(int(visible[t]))[:n]
-        table, ratio_arg, columns = batch.tables["csa_cmp"], 0, None
+        pool, ratio_arg, columns = "csa_cmp", 0, None
     else:
         columns = max(1, int(visible.max()))
         col = np.arange(columns)[None, :]
         entries = np.where(col < visible[:, None], col, -1)
-        table, ratio_arg = batch.tables["hca_cmp"], ratio
+        pool, ratio_arg = "hca_cmp", ratio
+    table, ring = batch.tables[pool], c.layout.pools[pool].is_ring
     pool_rows = batch.pool_blocks["ori"] * 32
     cos, sin = rope_at(c, kind, pos, "a2a3")
     return {
         "positions": pos, "request": req, "table": table, "entries": entries, "ratio": ratio_arg,
-        "columns": columns, "cmp_rows": physical_rows(table, req, entries, 32),
+        "columns": columns, "ring": ring, "cmp_rows": physical_rows(table, req, entries, 32, ring=ring),
         "window": window_rows(pos, req, batch.tables["ori"], c.sliding_window),
         "q": bf16_round(rng.standard_normal((rows, c.num_attention_heads, c.head_dim)).astype(np.float32)),
         "ori": bf16_round(rng.standard_normal((pool_rows, c.head_dim)).astype(np.float32)),
@@ -133,3 +140,82 @@ def compressor_batch(tp_size: int = 2):
     builder.add(1, num_cached=250, num_new=7)
     builder.add(2, num_cached=0, num_new=4)
     return builder.build()
+
+
+#: TINY heads at the real depth: ring widths ori 258 (32-row pages), state pools 4101 / 1041 columns.
+RING_CONFIG = TINY_1M
+#: Blocks of every pool of ``ring_batch`` (request 0 holds 2297 csa_cmp / idx pages of its 73k entries).
+RING_BLOCKS = 2560
+
+
+def ring_batch(tp_size: int = 2, cached: tuple[int, int] = (293_884, 20_000)):
+    """``tiny-1m``, TP 2: 8 tokens after ``cached[0]``, 5 after ``cached[1]``, 4 fresh (boundary 3); N = 17, P = 18,
+    one padding row. The allocator maps only the reach of the ring pools; compressed tables are trimmed.
+
+    Default: request 0 at 293,884 (35 turns of tiny-1m's 258-column ori ring width; page 9184 starts at position
+    293,888: boundaries 293,887 (ratio 4 and 128) and 293,891), request 1 at 20,000 (beyond 16,384; crosses the rank
+    boundary; boundary 20,003). :data:`SHALLOW_RING` (9,084 and 8,300) is past one turn of the ori ring width (8,256
+    positions) and of the ratio-4 state rings (8,202), with at most 2,273 visible ratio-4 entries (an indexer that
+    runs). The builder trims the ring tables to the step's live pages (ori 2, csa_state 8, hca_state 18 columns),
+    which the tables' modulo then wraps many times.
+    """
+    builder = BatchBuilder(RING_CONFIG, PaddingPolicy(tp_size=tp_size),
+                           BlockAllocator(RING_CONFIG, PoolBlocks.uniform(RING_BLOCKS)))
+    builder.add(0, num_cached=cached[0], num_new=8)
+    builder.add(1, num_cached=cached[1], num_new=5)
+    builder.add(2, num_cached=0, num_new=4)
+    return builder.build()
+
+
+#: ``ring_batch(cached=SHALLOW_RING)``: one ring turn deep (whole layers, CSA indexer included).
+SHALLOW_RING = (9_084, 8_300)
+
+
+def request_spans(batch) -> tuple[np.ndarray, np.ndarray]:
+    """([R] first new position, [R] one past the last) of each request of ``batch``."""
+    qsl = np.asarray(batch.query_start_loc, np.int64)
+    lengths = np.diff(qsl)
+    starts = np.where(lengths > 0, np.asarray(batch.positions, np.int64)[np.minimum(qsl[:-1], qsl[-1] - 1)], 0)
+    return starts, starts + lengths
+
+
+def rewidth(batch, pool: str, width: int) -> np.ndarray:
+    """``batch``'s ring table of ``pool`` re-laid at ``width`` columns: every page the call touches keeps its
+    block, now in column ``page % width`` (a valid ring table while ``width`` >= the live pages)."""
+    pl = batch.config.layout.pools[pool]
+    table = np.asarray(batch.tables[pool])
+    starts, ends = request_spans(batch)
+    req, page = touched_pages(pl, starts, ends, batch.config.sliding_window)
+    assert np.unique(req * width + page % width).size == req.size, f"{width} columns wrap a live range onto itself"
+    out = np.full((table.shape[0], width), -1, np.int32)
+    out[req, page % width] = table[req, table_column(pl, page, table.shape[1])]
+    return out
+
+
+def uncorrected_column(page: np.ndarray, width: int) -> np.ndarray:
+    """``page - floor(fp32(page) * fp32(1 / width)) * width`` without the off-by-one correction (int64)."""
+    page = np.asarray(page, np.int64)
+    q = np.floor(page.astype(np.float32) * np.float32(1.0 / width)).astype(np.int64)
+    return page - q * width
+
+
+def uncorrected_ring_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, page_size: int) -> np.ndarray:
+    """Physical rows a ring lookup would return with :func:`uncorrected_column`: the flattened entry
+    ``request * width + column`` then lands in a neighbouring column or request row (-1 beyond the table)."""
+    table = np.asarray(table)
+    width = table.shape[1]
+    logical = np.asarray(logical, np.int64)
+    req = np.asarray(request, np.int64).reshape(-1, *([1] * (logical.ndim - 1)))
+    entry = req * width + uncorrected_column(logical // page_size, width)
+    ok = (req >= 0) & (logical >= 0) & (entry >= 0) & (entry < table.size)
+    block = np.where(ok, table.reshape(-1)[np.where(ok, entry, 0)], -1)
+    return np.where(block >= 0, block * page_size + logical % page_size, -1)
+
+
+def correction_width(pages: np.ndarray, at_least: int, limit: int = 400) -> int:
+    """Smallest width >= ``at_least`` for which :func:`uncorrected_column` is wrong on one of ``pages``."""
+    pages = np.unique(np.asarray(pages, np.int64))
+    for width in range(max(3, at_least), limit):
+        if (uncorrected_column(pages, width) != pages % width).any():
+            return width
+    raise AssertionError(f"no width in [{at_least}, {limit}) needs the correction on these pages")

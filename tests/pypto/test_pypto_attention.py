@@ -12,11 +12,24 @@ of a rank's outputs by <= 2**-8 (mean |err| <= 2.2e-4). With several online-soft
 probabilities then round against each tile's running maximum) the measured worst case was 2**-7. Caches:
 fp32 states may differ by the matmul accumulation order (<= 4.8e-7 measured), bf16/int8 entries computed from
 them by one rounding step.
+
+Ring tables (ABI 1.1): ``ring_batch`` (``tiny-1m``, one ring turn deep) runs whole CSA / HCA layers whose ori and
+state tables are narrower than the positions' pages (columns = page mod width) and whose compressed tables are
+trimmed, against the reference on the same inputs; window rows one page off must move the output.
 """
 
 import numpy as np
 import pytest
-from pypto_fixtures import CONFIG, SEED, compressor_batch, hidden_rows, random_history
+from pypto_fixtures import (
+    CONFIG,
+    RING_CONFIG,
+    SEED,
+    SHALLOW_RING,
+    compressor_batch,
+    hidden_rows,
+    random_history,
+    ring_batch,
+)
 
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
@@ -68,3 +81,34 @@ def test_layer_matches_reference_backend(layer, rank):
     rows = slice(None) if rank is None else slice(rank * batch.local_rows, (rank + 1) * batch.local_rows)
     np.testing.assert_array_equal(got[batch.row_request[rows] < 0], 0.0)  # padding rows
     _check_caches(caches, ref_caches)
+
+
+@pytest.mark.parametrize("layer", [1, 2], ids=["csa", "hca"])
+def test_layer_on_ring_tables_matches_reference_backend(layer):
+    batch = ring_batch(cached=SHALLOW_RING)
+    c = RING_CONFIG
+    for pool, table in batch.tables.items():  # trimmed: ring tables far narrower than the pages read
+        pl = c.layout.pools[pool]
+        assert table.shape[1] <= pl.ring_width < pl.table_width if pl.is_ring else table.shape[1] < pl.table_width
+        if pl.is_ring:
+            assert (SHALLOW_RING[0] + 7) // pl.page_size >= 2 * table.shape[1], pool  # the modulo wraps
+    weights = AttentionWeights.random(c, layer, seed=SEED)
+    x = hidden_rows(batch)
+    caches = LayerCaches.allocate(c, layer, batch.pool_blocks, precision="a2a3")
+    random_history(caches, np.random.default_rng(SEED + layer))
+    before = caches.copy()
+    ref_caches = caches.copy()
+    want = attention(batch, layer, x, weights, ref_caches, precision="a2a3")
+    got = attention_pypto(batch, layer, x, weights, caches)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=LAYER_RTOL, atol=LAYER_ATOL)
+    assert np.abs(got - want).mean() <= LAYER_MEAN_ATOL
+    np.testing.assert_array_equal(got[batch.row_request < 0], 0.0)
+    _check_caches(caches, ref_caches)
+    # the comparison can fail: reading the neighbouring ori block (every cached window row one page off, as a
+    # wrong column would) fails the same comparison
+    shifted = before.copy()
+    shifted.ori[...] = np.roll(before.ori, c.layout.pools["ori"].page_size, axis=0)
+    wrong = attention(batch, layer, x, weights, shifted, precision="a2a3")
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(wrong, want, rtol=LAYER_RTOL, atol=LAYER_ATOL)

@@ -7,17 +7,35 @@ a request crossing the rank boundary, a padding row) with random state history.
 Measured (docs/pypto.md, 3 seeds): entries, idx and idx_scale bit-exact; state rows differ by <= 4.8e-7 on <= 1 %
 of elements (fp32 accumulation order of the x @ w products: torch vs numpy). Entries are bf16 roundings of
 values computed from those states, so one bf16 step (or one int8 step) may flip on a rounding boundary.
+
+Ring state tables (ABI 1.1): ``ring_batch`` (``tiny-1m``) pools windows ~294k positions deep through state tables
+trimmed to the step's live pages (at most the 4101 / 1041 ring width), so the kernel's column is page mod width;
+the same blocks re-laid at a width where the uncorrected fp32 quotient is off must give the same entries, and a
+table rolled by one column must not.
 """
 
 import numpy as np
 import pypto_cases
 import pytest
-from pypto_fixtures import CONFIG, SEED, compressor_batch, hidden_rows, random_history
+from pypto_fixtures import (
+    CONFIG,
+    RING_CONFIG,
+    SEED,
+    compressor_batch,
+    correction_width,
+    hidden_rows,
+    random_history,
+    request_spans,
+    rewidth,
+    ring_batch,
+    uncorrected_ring_rows,
+)
+from tolerances import assert_close, bf16_ulp, order_atol
 
-from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE, RATIO128_STATE_PAGE_SIZE
+from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE, RATIO128_STATE_PAGE_SIZE, live_pages
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
-from dspark_kernels.model.geometry import window_start_positions
+from dspark_kernels.model.geometry import boundary_rows, window_positions, window_start_positions, window_state_rows
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.pypto.isolate import run_isolated
@@ -64,9 +82,11 @@ def test_main_compressor_matches_reference(layer):
     main = CONFIG.layer_kind(layer)
     page = RATIO4_STATE_PAGE_SIZE if main == "csa" else RATIO128_STATE_PAGE_SIZE
     state, slots, table = getattr(caches, f"{main}_state"), batch.slots[f"{main}_state"], batch.tables[f"{main}_state"]
+    ring = CONFIG.layout.pools[f"{main}_state"].is_ring
     (b, (entries,), new_state), = run_isolated(pypto_cases.compress_many, [
         (x, positions, batch.row_request, slots, table, state, w.compressor, cos, sin, page, CONFIG.rms_norm_eps,
-         None)])
+         None, ring)])
+    assert ring
     ref_state = state.copy()
     want_b, want = compress(x, positions, batch.row_request, slots, table, ref_state, w.compressor, cos, sin,
                             page_size=page, eps=CONFIG.rms_norm_eps, precision="a2a3")
@@ -84,7 +104,7 @@ def test_indexer_key_compressor_matches_reference():
     slots, table, state = batch.slots["csa_inner_state"], batch.tables["csa_inner_state"], caches.csa_inner_state
     (b, (idx, idx_scale), new_state), = run_isolated(pypto_cases.compress_many, [
         (x, positions, batch.row_request, slots, table, state, w.idx_compressor, cos, sin, RATIO4_STATE_PAGE_SIZE,
-         CONFIG.rms_norm_eps, w.idx_hadamard)])
+         CONFIG.rms_norm_eps, w.idx_hadamard, CONFIG.layout.pools["csa_inner_state"].is_ring)])
     ref = caches.copy()
     compress_index_keys(x, positions, batch.row_request, slots, table, ref.csa_inner_state, batch.slots["idx"],
                         ref.idx, ref.idx_scale, w, cos, sin, eps=CONFIG.rms_norm_eps, precision="a2a3")
@@ -94,3 +114,55 @@ def test_indexer_key_compressor_matches_reference():
     assert np.abs(idx.astype(np.int32) - ref.idx[written].astype(np.int32)).max() <= INT8_STEP
     assert np.mean(idx != ref.idx[written]) <= MAX_DIFFERING_FRACTION
     np.testing.assert_allclose(idx_scale, ref.idx_scale[written], rtol=SCALE_RTOL)
+
+
+def _entry_atol(want: np.ndarray) -> np.ndarray:
+    """One bf16 step of the element, or of its row's scale where RoPE mixed in a flipped partner (module docs)."""
+    return np.maximum(bf16_ulp(want), ROW_STEP * np.abs(want).max(axis=1, keepdims=True))
+
+
+@pytest.mark.parametrize("layer", [1, 2], ids=["ratio4", "ratio128"])
+def test_compressor_reads_ring_state_tables_modulo_their_width(layer):
+    c = RING_CONFIG
+    batch = ring_batch()
+    kind, ratio = c.layer_kind(layer), c.compress_ratios[layer]
+    pool = f"{kind}_state"
+    pl = c.layout.pools[pool]
+    table, slots, ring = batch.tables[pool], batch.slots[pool], pl.is_ring
+    assert ring and table.shape[1] <= pl.ring_width < pl.table_width
+    w = prepare_weights(AttentionWeights.random(c, layer, seed=SEED), "a2a3")
+    rng = np.random.default_rng(SEED + layer)
+    state = rng.standard_normal((batch.pool_blocks[pool] * pl.page_size, *pl.row_shape)).astype(np.float32)
+    positions = batch.positions.astype(np.int64)
+    cos, sin = rope_at(c, kind, window_start_positions(positions, ratio), "a2a3")
+    x = hidden_rows(batch)
+    b = boundary_rows(positions, batch.row_request, ratio)
+    window = window_positions(positions[b], ratio)
+    pages = window[window >= 0] // pl.page_size
+    assert pages.max() // table.shape[1] >= 35  # request 0's windows sit many ring turns past column 0
+    starts, ends = request_spans(batch)
+    narrow = rewidth(batch, pool, correction_width(pages, int(live_pages(pl, starts, ends, c.sliding_window).max())))
+    rolled = np.roll(table, 1, axis=1)
+    results = run_isolated(pypto_cases.compress_many, [
+        (x, positions, batch.row_request, slots, t, state, w.compressor, cos, sin, pl.page_size, c.rms_norm_eps, None,
+         ring) for t in (table, narrow)])
+    ref_state = state.copy()
+    want_b, want = compress(x, positions, batch.row_request, slots, table, ref_state, w.compressor, cos, sin,
+                            page_size=pl.page_size, eps=c.rms_norm_eps, precision="a2a3")
+    written = slots[slots >= 0]
+    for t, (got_b, (entries,), new_state) in zip((table, narrow), results, strict=True):
+        what = f"{t.shape[1]}-column {pool} table"
+        np.testing.assert_array_equal(got_b, want_b)
+        assert_close(new_state[written], ref_state[written], order_atol(ref_state[written], c.hidden_size), what)
+        untouched = np.setdiff1d(np.arange(len(state)), written)
+        np.testing.assert_array_equal(new_state[untouched].view(np.uint32), state[untouched].view(np.uint32))
+        assert_close(entries, want, _entry_atol(want), what)
+        assert np.mean(entries != want) <= MAX_DIFFERING_FRACTION
+    # the comparison can fail: the uncorrected fp32 column reads other state rows of the narrow table, and a table
+    # one column off pools other slots into entries beyond the tolerance
+    _, rows = window_state_rows(positions, batch.row_request, narrow, ratio, pl.page_size, b)
+    assert (uncorrected_ring_rows(narrow, batch.row_request[b], window, pl.page_size) != rows).any()
+    _, wrong = compress(x, positions, batch.row_request, slots, rolled, state.copy(), w.compressor, cos, sin,
+                        page_size=pl.page_size, eps=c.rms_norm_eps, precision="a2a3")
+    with pytest.raises(AssertionError):
+        assert_close(results[0][1][0], wrong, _entry_atol(wrong))

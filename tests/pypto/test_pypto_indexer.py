@@ -23,13 +23,14 @@ from dspark_kernels.reference.projections import low_rank_query
 
 pytestmark = pytest.mark.pypto
 LAYER = 1  # CSA
+IDX_RING = CONFIG.layout.pools["idx"].is_ring  # False: a compressed pool (column = page)
 
 
 def _reference_scores(iq, positions, request, table, caches) -> np.ndarray:
     """[T, C] reference scores of every visible, mapped candidate (-inf elsewhere)."""
     visible = np.where(request >= 0, (positions + 1) // 4, 0)
     c = np.arange(max(1, int(visible.max())))[None, :]
-    rows = physical_rows(table, request, np.where(c < visible[:, None], c, -1), 32)
+    rows = physical_rows(table, request, np.where(c < visible[:, None], c, -1), 32, ring=IDX_RING)
     keys = caches.idx[np.maximum(rows, 0)].astype(np.float32)                      # (T, C, dI)
     scale = caches.idx_scale[np.maximum(rows, 0)]                                   # (T, C)
     scores = np.stack([index_scores(iq.rows(t, t + 1), keys[t], scale[t], "a2a3")[0] for t in range(len(rows))])
@@ -58,7 +59,7 @@ def test_lightning_topk_matches_reference_as_sets():
                               precision="a2a3")
         expected.append((want, _reference_scores(iq, pos, req, table, caches)))
         cases.append((pos, req, table, lrq.qr_q, lrq.qr_scale, w, x, cos, sin, caches.idx, caches.idx_scale,
-                      CONFIG.index_n_heads, CONFIG.index_topk, CONFIG.index_weight_scale, rounds))
+                      CONFIG.index_n_heads, CONFIG.index_topk, CONFIG.index_weight_scale, rounds, IDX_RING))
     results = run_isolated(pypto_cases.indexer_many, cases)
     for (want, scores), got in zip(expected, results, strict=True):
         assert_topk_sets_match(got, want, scores)

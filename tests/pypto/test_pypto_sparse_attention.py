@@ -10,12 +10,16 @@ tile's running maximum, the reference against the global maximum (upstream's gol
 output moves by up to one bf16 step of the probabilities times the key scale plus one bf16 rounding of o.
 Measured: max |err| 2**-7 (0.0078) for |o| <= 2.7, mean |err| <= 1.9e-4, up to 25 % of elements differing in
 the last bf16 bit. In one pass (the HCA case: every key in one tile) it matched to one bf16 step on <= 0.02 %.
+
+Trimmed compressed tables (ABI 1.1): ``ring_batch`` (``tiny-1m``, request 0 ~294k positions deep: 73k CSA and
+2296 HCA entries) carries csa_cmp / hca_cmp tables trimmed to the widest live range; cut narrower still, every
+entry whose page is at or beyond the table's width must be -1 (column = page, never page mod width).
 """
 
 import numpy as np
 import pypto_cases
 import pytest
-from pypto_fixtures import SEED, attention_core_inputs, long_batch, packed_batch
+from pypto_fixtures import RING_CONFIG, SEED, attention_core_inputs, long_batch, packed_batch, ring_batch
 
 from dspark_abi.layout import physical_rows
 from dspark_kernels.pypto.isolate import run_isolated
@@ -49,11 +53,11 @@ def test_entry_rows_match_reference():
     holed = dict(cases[0])
     holed["table"] = holed["table"].copy()
     holed["table"][0, 0] = -1
-    holed["cmp_rows"] = physical_rows(holed["table"], holed["request"], holed["entries"], 32)
+    holed["cmp_rows"] = physical_rows(holed["table"], holed["request"], holed["entries"], 32, ring=False)
     cases.append(holed)
     results = run_isolated(pypto_cases.entry_rows_many, [
-        (d["positions"], d["request"], d["table"], None if d["ratio"] else d["entries"], d["ratio"], d["columns"])
-        for d in cases])
+        (d["positions"], d["request"], d["table"], None if d["ratio"] else d["entries"], d["ratio"], d["columns"],
+         d["ring"]) for d in cases])
     for d, got in zip(cases, results, strict=True):
         np.testing.assert_array_equal(got, d["cmp_rows"])
     assert (results[-1] == -1).sum() > (results[0] == -1).sum()
@@ -72,3 +76,40 @@ def test_sparse_attention_core_matches_reference():
         np.testing.assert_array_equal(got[d["request"] < 0], 0.0)  # padding rows: no keys, zero output
         np.testing.assert_allclose(got, want, rtol=0, atol=CORE_ATOL)
         assert np.abs(got - want).mean() <= CORE_MEAN_ATOL
+
+
+def test_entry_rows_through_trimmed_tables_match_reference():
+    c = RING_CONFIG
+    batch = ring_batch()
+    view = batch.rank(0)  # request 0's 8 rows and request 1's first row
+    pos, req = view.positions.astype(np.int64), view.local_request_ids.astype(np.int64)
+    rng = np.random.default_rng(SEED)
+    visible4 = np.where(req >= 0, (pos + 1) // 4, 0)
+    entries = np.full((len(pos), 16), -1, np.int64)  # the highest, the lowest and random visible entries, -1 padded
+    for t, v in enumerate(visible4.tolist()):
+        entries[t, :12] = np.concatenate([[v - 1, v - 33, 0, 31, 32], rng.integers(0, v, 7)])
+    hca = c.compress_ratios.index(128)
+    columns = int(np.where(req >= 0, (pos + 1) // 128, 0).max())
+    cases = []
+    for pool, ratio in (("csa_cmp", 0), ("hca_cmp", 128)):
+        pl = c.layout.pools[pool]
+        table = batch.tables[pool]
+        assert not pl.is_ring and table.shape[1] < pl.table_width  # trimmed: 2297 of 8192, 72 of 256 columns
+        for t in (table, table[:, : table.shape[1] // 3]):
+            cases.append((pool, ratio, t, pl.is_ring))
+    results = run_isolated(pypto_cases.entry_rows_many, [
+        (pos, req, t, None if ratio else entries, ratio, columns if ratio else None, ring)
+        for _, ratio, t, ring in cases])
+    for (pool, ratio, t, ring), got in zip(cases, results, strict=True):
+        logical = entries if not ratio else np.where(np.arange(columns)[None, :] < ((pos + 1) // ratio)[:, None],
+                                                     np.arange(columns)[None, :], -1)
+        want = physical_rows(t, req, logical, 32, ring=ring)
+        np.testing.assert_array_equal(got, want, err_msg=f"{pool} table of {t.shape[1]} columns")
+        if t.shape[1] < batch.tables[pool].shape[1]:  # cut below the live range: no row beyond it, never a wrap
+            beyond = (logical >= 0) & (logical // 32 >= t.shape[1]) & (req[:, None] >= 0)
+            assert beyond.sum() >= 8 and (got[beyond] == -1).all()
+            wrapped = physical_rows(t, req, logical, 32, ring=True)  # what a modulo would read instead
+            assert (wrapped[beyond] >= 0).any()
+        else:
+            assert (got >= 0).sum() >= (8 if not ratio else 2000)
+    assert hca == 2 and columns == 2296

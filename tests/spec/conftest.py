@@ -13,6 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "spec" / "v1"
 VECTORS = SPEC / "vectors"
+#: The 1.0 vectors as released, frozen (never regenerated): today's reader must still judge them.
+VECTORS_1_0 = SPEC / "vectors-1.0"
 
 
 def index_entries() -> list[dict]:

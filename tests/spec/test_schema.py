@@ -34,7 +34,7 @@ def test_schema_covers_manifest_and_configuration():
     assert set(config["properties"]) == set(ModelConfig.model_fields)
     assert config["additionalProperties"] is False
     assert set(doc["required"]) >= {"format", "format_version", "config", "policy", "pool_blocks", "tensors"}
-    assert doc["properties"]["format_version"]["const"] == FORMAT_VERSION
+    assert doc["properties"]["format_version"]["enum"] == list(SUPPORTED_VERSIONS)  # 1.1 reads 1.0 manifests too
 
 
 def test_schema_enumerates_exactly_the_stable_codes():
@@ -44,5 +44,5 @@ def test_schema_enumerates_exactly_the_stable_codes():
 
 
 def test_one_version_number():
-    assert ABI_VERSION == FORMAT_VERSION == json.loads(SCHEMA.read_text())["x-dspark-format-version"]
-    assert SUPPORTED_VERSIONS[-1] == FORMAT_VERSION
+    assert ABI_VERSION == FORMAT_VERSION == json.loads(SCHEMA.read_text())["x-dspark-format-version"] == "1.1"
+    assert SUPPORTED_VERSIONS == ("1.0", "1.1")  # every minor of major 1 up to the one written
