@@ -1,5 +1,6 @@
 """Ready-made configurations: ``FLASH`` (DeepSeek-V4-Flash at its 1,048,576 positions), ``FLASH_16K`` (the same
-model at the 16,384 positions of upstream's a2a3 fixtures), ``DEMO``, ``TINY`` and ``TINY_1M``."""
+model at the 16,384 positions of upstream's a2a3 fixtures), ``FLASH_DSPARK`` (with the DSpark drafter's target
+layers), ``DEMO``, ``TINY``, ``TINY_1M`` and ``TINY_DSPARK``."""
 
 from __future__ import annotations
 
@@ -51,8 +52,14 @@ TINY = ModelConfig(
 #: TINY's heads at the real depth: 1M-position tables (ring and trimmed) on any CPU.
 TINY_1M = TINY.model_copy(update={"name": "tiny-1m", "max_position_embeddings": REAL_MAX_POSITIONS})
 
-PRESETS: dict[str, ModelConfig] = {"flash": FLASH, "flash-16k": FLASH_16K, "demo": DEMO, "tiny": TINY,
-                                   "tiny-1m": TINY_1M}
+#: DeepSeek-V4-Flash-DSpark's target model: FLASH whose layers 40, 41 and 42 feed the DSpark drafter
+#: (``dspark_target_layer_ids`` of the DSpark checkpoint's config.json).
+FLASH_DSPARK = FLASH.model_copy(update={"name": "flash-dspark", "dspark_target_layers": (40, 41, 42)})
+#: TINY with the same shape of drafter features: its last three layers.
+TINY_DSPARK = TINY.model_copy(update={"name": "tiny-dspark", "dspark_target_layers": (1, 2, 3)})
+
+PRESETS: dict[str, ModelConfig] = {"flash": FLASH, "flash-16k": FLASH_16K, "flash-dspark": FLASH_DSPARK,
+                                   "demo": DEMO, "tiny": TINY, "tiny-1m": TINY_1M, "tiny-dspark": TINY_DSPARK}
 
 
 def get_preset(name: str) -> ModelConfig:

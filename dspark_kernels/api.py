@@ -39,6 +39,8 @@ class RequestOutput:
     """[n_i, D] float32 final hidden rows."""
     sampled: int | None
     """Greedy next token from its last row, when that row was among the logit rows."""
+    target_hidden: np.ndarray | None = None
+    """[n_i, T * D] float32 DSpark drafter features of its rows (``PrefillResult.target_hidden``), or None."""
 
 
 @attrs.frozen(eq=False)
@@ -48,6 +50,10 @@ class PrefillResult:
     hidden: [P, D] float32 final-norm hidden rows (padding rows zero).
     x_hc: [P, hc, D] float32 residual streams after the last layer run.
     logit_rows: [M] int32 group rows sampled (-1 inactive); logits: [M, V] float32; sampled: [M] int64 (-1 inactive).
+    target_hidden: [P, T * D] float32 (bf16 values with precision a2a3) or None: the DSpark drafter's target
+    hidden features, T = len(config.dspark_target_layers); slice k of a row is ``hc_head`` of the residual streams
+    after layer ``dspark_target_layers[k]`` (zero where that layer was not run, and on padding rows). Rank r's
+    share (upstream's ``dspark_target_hidden[r]``, [L, T * D]) is rows ``[r * L, (r + 1) * L)``.
     """
 
     batch: PackedBatch
@@ -56,6 +62,7 @@ class PrefillResult:
     logit_rows: np.ndarray
     logits: np.ndarray
     sampled: np.ndarray
+    target_hidden: np.ndarray | None = None
 
     @property
     def requests(self) -> list[RequestOutput]:
@@ -67,7 +74,8 @@ class PrefillResult:
             out.append(RequestOutput(
                 index=i, request_id=i if ids is None else int(ids[i]), rows=slice(lo, hi),
                 positions=self.batch.positions[lo:hi], hidden=self.hidden[lo:hi],
-                sampled=by_row.get(hi - 1) if hi > lo else None))
+                sampled=by_row.get(hi - 1) if hi > lo else None,
+                target_hidden=None if self.target_hidden is None else self.target_hidden[lo:hi]))
         return out
 
 
@@ -118,7 +126,7 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
     return PrefillResult(batch=batch, hidden=result.hidden, x_hc=result.x_hc, logit_rows=result.logit_rows,
-                         logits=result.logits, sampled=result.sampled)
+                         logits=result.logits, sampled=result.sampled, target_hidden=result.target_hidden)
 
 
 def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int] | None, list[Issue]]:

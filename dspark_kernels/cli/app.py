@@ -70,9 +70,8 @@ def run(args: argparse.Namespace) -> int:
                     prepared=prepared, on_layer=on_layer)
     t_ctx = time.perf_counter() - t_ctx
     t0 = time.perf_counter()
-    hidden, sampled, rows, logits = _run_batch(batch, weights, caches, args, LayerProgress("prefill", mode,
-                                                                                            config.num_layers),
-                                               prepared)
+    hidden, sampled, rows, logits, target = _run_batch(batch, weights, caches, args,
+                                                       LayerProgress("prefill", mode, config.num_layers), prepared)
     elapsed = time.perf_counter() - t0
 
     by_row = {int(r): int(s) for r, s in zip(rows, sampled, strict=True) if r >= 0}
@@ -83,11 +82,13 @@ def run(args: argparse.Namespace) -> int:
                         "positions": [cached, cached + new - 1] if new else [],
                         "next_token": by_row.get(last) if new else None})
     if args.save:  # before the summary: a failed write must not follow a printed success
-        _save(args.save, batch, hidden, rows, logits, sampled)
+        _save(args.save, batch, hidden, rows, logits, sampled, target)
+    features = None if target is None else {"layers": list(config.dspark_target_layers), "shape": list(target.shape),
+                                            "saved_as": "outputs.target_hidden" if args.save else None}
     if args.json:
         print(json.dumps({"config": config.name, "tp": args.tp, "mode": args.mode, "precision": args.precision,
                           "backend": args.backend, "tokens": batch.num_tokens, "seconds": elapsed,
-                          "context_seconds": t_ctx, "requests": summary}, indent=2))
+                          "context_seconds": t_ctx, "requests": summary, "target_hidden": features}, indent=2))
     else:
         print(f"config={config.name} TP={args.tp} mode={args.mode} backend={args.backend} "
               f"precision={args.precision} N={batch.num_tokens} P={batch.padded_rows} L={batch.local_rows}")
@@ -98,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{s['request']:>7} {s['new_tokens']:>5} {s['cached_tokens']:>7} {span:>13} {nxt:>10}")
         print(f"prefill {batch.num_tokens} tokens in {elapsed:.3f} s ({batch.num_tokens / elapsed:,.0f} tokens/s); "
               f"context fill {t_ctx:.3f} s")
+        if features is not None and target is not None:
+            print(f"DSpark target hidden: layers {features['layers']} -> [{target.shape[0]}, {target.shape[1]}] "
+                  "(hc_head of each layer's output streams, concatenated)")
     if args.save:
         print(f"wrote {args.save}", file=sys.stderr)
     return 0
@@ -128,9 +132,11 @@ def _token_ids(batch: PackedBatch) -> np.ndarray:
 
 
 def _save(path: str, batch: PackedBatch, hidden: np.ndarray, rows: np.ndarray, logits: np.ndarray,
-          sampled: np.ndarray) -> None:
+          sampled: np.ndarray, target: np.ndarray | None) -> None:
     tensors = {"outputs.hidden": hidden, "outputs.logit_rows": rows.astype(np.int32), "outputs.logits": logits,
                "outputs.sampled": sampled}
+    if target is not None:
+        tensors["outputs.target_hidden"] = target
     if batch.token_ids is not None:
         tensors["inputs.token_ids"] = batch.token_ids
     try:
@@ -141,15 +147,15 @@ def _save(path: str, batch: PackedBatch, hidden: np.ndarray, rows: np.ndarray, l
 
 def _run_batch(batch: PackedBatch, weights: ModelWeights, caches: ModelCaches, args: argparse.Namespace,
                progress: LayerProgress, prepared: PreparedWeightsCache
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(hidden, sampled, logit rows, logits) of the batch in the chosen execution mode and backend
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(hidden, sampled, logit rows, logits, target hidden) of the batch in the chosen execution mode and backend
     (``prepared``: the run's prepared weights; a rank process prepares its own)."""
     tokens = _token_ids(batch)
     if args.mode == "group":
         with progress as on_layer:
             res = prefill(batch, tokens, weights, caches, precision=args.precision, backend=args.backend,
                           prepared=prepared, on_layer=on_layer)
-        return res.hidden, res.sampled, res.logit_rows, res.logits
+        return res.hidden, res.sampled, res.logit_rows, res.logits, res.target_hidden
     if args.mode == "threads":
         with progress as on_layer:
             results = tp.run_tp_inprocess(batch, tokens, weights, caches, precision=args.precision,
@@ -159,7 +165,7 @@ def _run_batch(batch: PackedBatch, weights: ModelWeights, caches: ModelCaches, a
                                 precision=args.precision, backend=args.backend, on_layer=progress)
         results = tp.launch(job, backend=args.dist_backend, device="cuda" if args.dist_backend == "nccl" else "cpu")
     out = results[0].result
-    return out.hidden, out.sampled, out.logit_rows, out.logits
+    return out.hidden, out.sampled, out.logit_rows, out.logits, out.target_hidden
 
 
 # ---------------------------------------------------------------------------------------------- parser

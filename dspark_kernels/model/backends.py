@@ -1,5 +1,9 @@
 """The attention backends a forward runs its layers' attention with: the protocol and resolution by name.
 
+A backend may also bring the layer's hyper-connection stages (:class:`HyperConnectionStages`: ``hc_pre`` and
+``hc_post``, the pypto backend's kernels); a backend without them runs the numpy reference's
+(:func:`hc_stages`).
+
 =============  ==============================================  ==========================================
 name           backend                                         precisions
 =============  ==============================================  ==========================================
@@ -10,11 +14,11 @@ name           backend                                         precisions
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from dspark_abi import ABIError, Issue
+from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.numerics import Precision
 from dspark_kernels.model.plan import BatchPlan
@@ -39,6 +43,28 @@ class AttentionBackend(Protocol):
 
     def __call__(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
                  caches: LayerCaches, /) -> np.ndarray: ...
+
+
+@runtime_checkable
+class HyperConnectionStages(Protocol):
+    """A backend's hyper-connection stages, with the reference's signatures
+    (:func:`dspark_kernels.reference.hyper_connections.hc_pre` / ``hc_post``): ``hc_pre(x_hc, weights, config,
+    precision=...)`` returns an object with ``x_mixed`` [T, D], ``post`` [T, hc] and ``comb`` [T, hc, hc];
+    ``hc_post(out, x_hc, post, comb, precision=...)`` returns [T, hc, D] fp32."""
+
+    def hc_pre(self, x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision) -> Any: ...
+
+    def hc_post(self, out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray, *,
+                precision: Precision) -> np.ndarray: ...
+
+
+def hc_stages(attention: object) -> tuple[Any, Any]:
+    """(hc_pre, hc_post) a layer runs with this attention backend: its own when it has them, else the reference's."""
+    if isinstance(attention, HyperConnectionStages):
+        return attention.hc_pre, attention.hc_post
+    from dspark_kernels.reference.hyper_connections import hc_post, hc_pre
+
+    return hc_pre, hc_post
 
 
 def backend_issues(backend: object, precision: object) -> list[Issue]:

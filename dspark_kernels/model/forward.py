@@ -1,4 +1,5 @@
-"""Multi-layer forward over a packed batch: embedding, the config's layer schedule, hc_head, final norm, LM head.
+"""Multi-layer forward over a packed batch: embedding, the config's layer schedule, hc_head, final norm, LM head,
+and the DSpark drafter's target hidden features.
 
 ``run_forward`` does not validate the batch (``dspark_kernels.prefill`` does that first); it does check,
 before anything is read or written, that weights, caches, input rows, layers, logit rows and the rank fit the batch.
@@ -13,16 +14,18 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, Issue, PackedBatch
+from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
 from dspark_kernels.model.backends import AttentionBackend
+from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.layer import AllGather, run_layer
-from dspark_kernels.model.numerics import check_precision
+from dspark_kernels.model.numerics import Precision, check_precision
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.reference.attention import attend
 from dspark_kernels.reference.head import final_hidden, greedy, logits_for_rows, vocab_shard
+from dspark_kernels.reference.hyper_connections import hc_head
 
 
 @attrs.frozen(eq=False)
@@ -34,6 +37,9 @@ class ForwardResult:
     logit_rows: [M] int32, group rows the logits belong to; -1 = inactive.
     logits: [M, V] fp32; zero rows where inactive.
     sampled: [M] int64, greedy next token (first maximum); -1 where inactive.
+    target_hidden: [P, T * D] fp32 (bf16 values in a2a3 mode), the DSpark drafter's features: slice k is
+        ``hc_head(x_hc after layer config.dspark_target_layers[k])`` (see :func:`target_features`), zero where that
+        layer was not run and on padding rows; None when the config names no target layer.
     """
 
     x_hc: np.ndarray
@@ -41,6 +47,19 @@ class ForwardResult:
     logit_rows: np.ndarray
     logits: np.ndarray
     sampled: np.ndarray
+    target_hidden: np.ndarray | None = None
+
+
+def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *, precision: Precision
+                    ) -> np.ndarray:
+    """One target layer's DSpark feature [T, D]: the model-level ``hc_head`` of the layer's output streams x_hc
+    [T, hc, D] (after its FFN ``hc_post``), the value whose RMS norm feeds the LM head after the last layer.
+
+    This is upstream pypto-lib's definition (``dspark_target_hidden`` of its prefill, slot order = the
+    configured target layers); a mean of the hc streams, which one public vLLM fork returns, is another
+    reduction (docs/checkpoints.md section 6). Padding (zero) rows give zero rows.
+    """
+    return hc_head(x_hc, head.hc, config, precision=precision)
 
 
 def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
@@ -70,11 +89,13 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
     inputs = np.asarray(hidden_or_token_ids)
     token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else batch.token_ids
     _check(batch, inputs, token_ids, weights, caches, prec, run, rows, rank, all_gather)
+    targets = {layer: k for k, layer in enumerate(cfg.dspark_target_layers)}   # layer -> feature slot
+    d = cfg.hidden_size
     if batch.num_tokens == 0:   # an inactive group (PaddingPolicy.allow_inactive): no row, nothing written
-        hc, d = cfg.hc_mult, cfg.hidden_size
-        return ForwardResult(x_hc=np.zeros((0, hc, d), np.float32), hidden=np.zeros((0, d), np.float32),
+        return ForwardResult(x_hc=np.zeros((0, cfg.hc_mult, d), np.float32), hidden=np.zeros((0, d), np.float32),
                              logit_rows=rows.astype(np.int32), logits=np.zeros((rows.size, cfg.vocab_size), np.float32),
-                             sampled=np.full(rows.size, -1, np.int64))
+                             sampled=np.full(rows.size, -1, np.int64),
+                             target_hidden=np.zeros((0, len(targets) * d), np.float32) if targets else None)
     plan = BatchPlan.build(batch, rank=rank, precision=prec)
     backend = attend if attention is None else attention
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
@@ -86,13 +107,17 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
         x_hc = np.repeat(inputs.astype(np.float32)[:, None, :], cfg.hc_mult, axis=1)
     else:
         x_hc = np.array(inputs, dtype=np.float32)
+    head = weights.head()
+    features = np.zeros((x_hc.shape[0], len(targets) * d), np.float32) if targets else None
     for done, i in enumerate(run, start=1):
         x_hc = run_layer(plan, i, x_hc, weights.layer(i), caches[i], token_ids=token_ids, all_gather=all_gather,
                          attention=backend, prepared=cache)
+        if features is not None and i in targets:
+            k = targets[i]
+            features[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec)
         if on_layer is not None:
             on_layer(done, len(run))
 
-    head = weights.head()
     hidden = final_hidden(x_hc, head, cfg, precision=prec)
     if plan.rank is None or batch.tp_size == 1:
         logits = logits_for_rows(hidden, rows, head.head)
@@ -104,7 +129,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
         shard[:, : part.shape[1]] = part
         logits = np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, : cfg.vocab_size])
     return ForwardResult(x_hc=x_hc, hidden=hidden, logit_rows=rows.astype(np.int32), logits=logits,
-                         sampled=greedy(logits, rows))
+                         sampled=greedy(logits, rows), target_hidden=features)
 
 
 def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,

@@ -19,14 +19,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dspark_kernels.model.backends import AttentionBackend
+from dspark_kernels.model.backends import AttentionBackend, hc_stages
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.numerics import narrow, rms_norm
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeightsCache, prepared_for
 from dspark_kernels.model.weights import LayerWeights
 from dspark_kernels.reference.attention import attend
-from dspark_kernels.reference.hyper_connections import hc_post, hc_pre
 from dspark_kernels.reference.moe import moe
 
 #: ``all_gather(local [L, ...]) -> [TP * L, ...]``: rank-major concatenation of every rank's rows.
@@ -49,6 +48,7 @@ def run_layer(plan: BatchPlan, layer: int, x_hc: np.ndarray, weights: LayerWeigh
     gather = _identity if plan.rank is None else all_gather or _identity
     live = plan.query_request >= 0                                                # (L,) or (P,)
     attn_weights = prepared_for(weights.attn, precision, prepared)
+    hc_pre, hc_post = hc_stages(attention)      # the backend's hyper-connection kernels, or the reference's
 
     attn_pre = hc_pre(x_hc, weights.hc_attn, cfg, precision=precision)
     x_n = narrow(rms_norm(attn_pre.x_mixed, weights.attn_norm, cfg.rms_norm_eps), precision)  # (P, D)

@@ -27,15 +27,17 @@ copied back into ``caches`` in place. Importing this module imports neither torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import attrs
 import numpy as np
 
-from dspark_abi import PackedBatch
+from dspark_abi import ModelConfig, PackedBatch
 from dspark_abi.pools import TABLE_FIELDS
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
+from dspark_kernels.model.block_weights import HcWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
 from dspark_kernels.model.geometry import INDEX_RATIO
@@ -90,6 +92,54 @@ class PyptoAttention:
             out, ids = _attention_in_process(plan, layer, x, weights, caches, ids)
         self._lowered[id(plan)] = (plan, ids)
         return out
+
+    # the layer's hyper-connection stages (model.backends.HyperConnectionStages), through the pypto kernels
+    def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: str) -> HcMix:
+        """The reference's ``hc_pre`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.hyper_connections`."""
+        _check_precision(precision)
+        run = run_isolated if self.isolate else _direct
+        return HcMix(*run(_hc_pre, x_hc, weights, config))
+
+    def hc_post(self, out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray, *, precision: str
+                ) -> np.ndarray:
+        """The reference's ``hc_post`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.hyper_connections`."""
+        _check_precision(precision)
+        run = run_isolated if self.isolate else _direct
+        result: np.ndarray = run(_hc_post, out, x_hc, post, comb)
+        return result
+
+
+@attrs.frozen
+class HcMix:
+    """hc_pre's outputs (the reference's ``HcPre`` fields): x_mixed [T, D] fp32 holding bf16 values, post [T, hc],
+    comb [T, hc, hc]."""
+
+    x_mixed: np.ndarray
+    post: np.ndarray
+    comb: np.ndarray
+
+
+def _check_precision(precision: str) -> None:
+    if precision != PRECISION:
+        raise ValueError(f"the pypto kernels compute {PRECISION}, not {precision}")
+
+
+def _direct(func: Callable[..., T], *args: object) -> T:
+    return func(*args)
+
+
+def _hc_pre(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """In the kernel process: hc_pre's arrays (plain arrays travel back; the kernel module stays in the child)."""
+    from dspark_kernels.pypto.hyper_connections import hc_pre
+
+    result = hc_pre(x_hc, weights, config)
+    return result.x_mixed, result.post, result.comb
+
+
+def _hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    from dspark_kernels.pypto.hyper_connections import hc_post
+
+    return hc_post(out, x_hc, post, comb)
 
 
 

@@ -68,9 +68,12 @@ CUBE_TM, CUBE_TK, CUBE_L1_STEPS = 64, 256, 4
 class HcMixer(Protocol):
     """What the host entries read from a mixer (the reference's ``HcWeights``): fn [M, K], scale [3], base [M]."""
 
-    fn: np.ndarray
-    scale: np.ndarray
-    base: np.ndarray
+    @property
+    def fn(self) -> np.ndarray: ...
+    @property
+    def scale(self) -> np.ndarray: ...
+    @property
+    def base(self) -> np.ndarray: ...
 
 
 def padded_width(k: int) -> int:

@@ -61,3 +61,19 @@ def test_abi_build_png(tmp_path):
     png = tmp_path / "layout.png"
     run("dspark_abi.cli", "build", "--request", "3@126", "--request", "4@30", "--tp", "2", "--png", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+
+
+def test_prefill_reports_and_saves_the_dspark_target_hidden(tmp_path):
+    """A DSpark config's drafter features: shape and layers in --json, the [P, T * D] rows in --save."""
+    from dspark_abi.io import fixtures
+
+    path = tmp_path / "run.safetensors"
+    proc = run("dspark_kernels.cli", "prefill", "--config", "tiny-dspark", "--request", "3@40", "--request", "4@0",
+               "--tp", "2", "--json", "--save", str(path))
+    summary = json.loads(proc.stdout)["target_hidden"]
+    assert summary == {"layers": [1, 2, 3], "shape": [8, 3 * 128], "saved_as": "outputs.target_hidden"}
+    saved = fixtures.load(path)
+    target = saved.tensors["outputs.target_hidden"]
+    assert target.shape == (8, 384) and target[:7].any() and not target[7:].any()   # row 7 is padding
+    plain = json.loads(run("dspark_kernels.cli", "prefill", "--request", "3@0", "--json").stdout)
+    assert plain["target_hidden"] is None                                            # tiny has no drafter

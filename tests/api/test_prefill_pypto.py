@@ -71,3 +71,22 @@ def test_single_request_of_64_rows_csa_layer():
     out = prefill(batch, x, weights, pp_caches, precision="a2a3", layers=[1], backend="pypto")
     a, b = ref.x_hc.astype(np.float64), out.x_hc.astype(np.float64)
     assert np.abs(a - b).max() <= MAX_ABS_OF_SCALE * np.abs(a).max()
+
+
+def test_the_pypto_backend_runs_hyper_connections_through_its_kernels(case, monkeypatch):
+    """hc_pre and hc_post of the layer come from the pypto kernels: the reference stages are never called."""
+    import dspark_kernels.reference.hyper_connections as reference_hc
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("a reference hyper-connection stage ran in the pypto backend")
+
+    batch, x, weights, blocks = case
+    ref = prefill(batch, x, weights, ModelCaches.allocate(TINY, blocks, precision="a2a3"), precision="a2a3",
+                  layers=[0])
+    monkeypatch.setattr(reference_hc, "hc_pre", not_here)
+    monkeypatch.setattr(reference_hc, "hc_post", not_here)
+    out = prefill(batch, x, weights, ModelCaches.allocate(TINY, blocks, precision="a2a3"), precision="a2a3",
+                  layers=[0], backend="pypto")
+    a, b = ref.x_hc.astype(np.float64), out.x_hc.astype(np.float64)
+    assert np.abs(a - b).max() <= MAX_ABS_OF_SCALE * np.abs(a).max()
+    assert (a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()) >= MIN_COSINE

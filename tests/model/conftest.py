@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks
+from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy, PoolBlocks
 from dspark_abi.presets import TINY
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.weights import ModelWeights
@@ -26,15 +26,16 @@ class Session:
     """One allocator + caches + weights; ``step`` builds a batch of (request, cached, new) and runs it."""
 
     def __init__(self, *, tp: int = 1, precision: str = "fp32", weights: ModelWeights | None = None,
-                 pad_position: str = "zero"):
+                 pad_position: str = "zero", config: ModelConfig = TINY):
+        self.config = config
         self.policy = PaddingPolicy(tp_size=tp, pad_position=pad_position)
-        self.alloc = BlockAllocator(TINY, POOL_BLOCKS)
-        self.caches = ModelCaches.allocate(TINY, POOL_BLOCKS, precision=precision)
-        self.weights = weights or tiny_weights()
+        self.alloc = BlockAllocator(config, POOL_BLOCKS)
+        self.caches = ModelCaches.allocate(config, POOL_BLOCKS, precision=precision)
+        self.weights = weights or (tiny_weights() if config == TINY else ModelWeights.random(config, 0))
         self.precision = precision
 
     def batch(self, requests: Sequence[tuple[int, int, int]]) -> PackedBatch:
-        bb = BatchBuilder(TINY, self.policy, self.alloc)
+        bb = BatchBuilder(self.config, self.policy, self.alloc)
         for rid, cached, new in requests:
             bb.add(rid, num_cached=cached, num_new=new, token_ids=tokens_of(rid)[cached:cached + new])
         return bb.build()

@@ -15,7 +15,7 @@ import pytest
 from tolerances import forward_reductions, order_atol
 
 from dspark_abi import ABIError
-from dspark_abi.presets import TINY
+from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_kernels.model.forward import run_forward
 from dspark_kernels.model.tp import DistributedJob, launch, run_tp_inprocess
 
@@ -30,7 +30,7 @@ LAUNCH_TIMEOUT_S = 120.0
 
 @pytest.mark.distributed
 def test_two_process_gloo_equals_single_process():
-    s = Session(tp=2)
+    s = Session(tp=2, config=TINY_DSPARK)          # with the DSpark drafter's target hidden features
     ctx = s.batch([(0, 0, 126), (1, 0, 30)])  # fill the cached context by running the earlier tokens
     run_forward(ctx, ctx.token_ids, s.weights, s.caches)
     b = s.batch([(0, 126, 3), (1, 30, 4)])
@@ -55,6 +55,9 @@ def test_two_process_gloo_equals_single_process():
         assert p.result.sampled.tolist() == single.sampled.tolist()
         assert p.result.logit_rows.tolist() == [2, 6]
         assert not p.result.hidden[7].any()  # the padding row
+        np.testing.assert_array_equal(p.result.target_hidden, t.result.target_hidden)
+        np.testing.assert_allclose(p.result.target_hidden, single.target_hidden, rtol=0,
+                                   atol=order_atol(single.target_hidden, FORWARD_K))
 
 
 def test_torch_is_not_imported_by_the_forward_modules():
