@@ -102,7 +102,7 @@ class BlockAllocator:
         self._top: dict[str, int] = {p: self.pool_blocks[p] for p in POOL_NAMES}
         self._free: dict[str, np.ndarray] = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32)
                                              for p in POOL_NAMES}
-        self._tables = {p: np.full((capacity, _width(self.layout.pools[p])), -1, np.int32) for p in POOL_NAMES}
+        self._tables = {p: np.full((capacity, self.layout.pools[p].ring_width), -1, np.int32) for p in POOL_NAMES}
         # the logical pages a request holds are always one run [first, end) (ring pools recycle its front)
         self._first = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
         self._end = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
@@ -193,7 +193,7 @@ class BlockAllocator:
                     m_rows, m_pages, m_blocks = plan.map_cells[p]
                     for cell_rows, pages, blocks in ((r_rows, r_pages, None), (m_rows, m_pages, m_blocks)):
                         at, found = _positions(rows, cell_rows)
-                        column = table_column(pl, pages[found], _width(pl))
+                        column = table_column(pl, pages[found], pl.ring_width)
                         table[at, column] = -1 if blocks is None else blocks[found]
             return tables
 
@@ -314,7 +314,7 @@ class BlockAllocator:
         keep_from = np.maximum(0, starts - pl.reach) // pl.page_size
         count = np.where((ends > starts) & ~fresh, np.clip(np.minimum(keep_from, end) - first, 0, None), 0)
         owner, page = _expand(first, count)
-        blocks = self._tables[pl.name][rows[owner], table_column(pl, page, _width(pl))].astype(np.int64)
+        blocks = self._tables[pl.name][rows[owner], table_column(pl, page, pl.ring_width)].astype(np.int64)
         mapped = blocks >= 0
         return rows[owner][mapped], page[mapped], blocks[mapped]
 
@@ -360,7 +360,7 @@ class BlockAllocator:
             self._row_of[r] = self._spare_rows.pop()
         for p in POOL_NAMES:
             pl = self.layout.pools[p]
-            width = _width(pl)
+            width = pl.ring_width
             r_rows, r_pages, r_blocks = plan.release_cells[p]
             self._tables[p][r_rows, table_column(pl, r_pages, width)] = -1
             m_rows, m_pages, m_blocks = plan.map_cells[p]
@@ -407,11 +407,6 @@ class BlockAllocator:
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
 
 
-def _width(pl: PoolLayout) -> int:
-    """Columns of the allocator's table of a pool: the ring width, or the whole context for compressed pools."""
-    return pl.ring_width if pl.is_ring else pl.table_width
-
-
 def _positions(rows: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(index in ``rows`` of each ``wanted`` allocator row found there, mask of the wanted rows found)."""
     if rows.size == 0 or wanted.size == 0:
@@ -435,6 +430,6 @@ def pool_blocks_for(config: ModelConfig, contexts: Sequence[int], *, slack: int 
     need = {}
     for pl in config.layout:
         logical = ctx // pl.ratio if pl.ratio else ctx
-        pages = np.minimum(-(-logical // pl.page_size), _width(pl))   # a request holds a ring width at most
+        pages = np.minimum(-(-logical // pl.page_size), pl.ring_width)   # a request holds a ring width at most
         need[pl.name] = int(pages.sum()) + len(ctx) + slack
     return PoolBlocks(**need)

@@ -76,21 +76,35 @@ def _afield(name: str, optional: bool = False) -> Any:
     return attrs.field(**kw)
 
 
-@attrs.frozen
-class RequestTables:
-    """The seven per-request block tables, each ``[R, width]`` int32, request axis on dim 0.
+class _PerPool:
+    """Access by pool name and in ABI order, for the seven-field table and slot containers."""
 
-    Entry ``[r, i]`` is the physical block of logical page ``i`` of request ``r``; ``-1`` = unmapped.
-    Widths come from ``ModelConfig.layout`` (FLASH: 512, 128, 4, 128, 8192, 8192, 2048).
+    __slots__ = ()
+
+    def __getitem__(self, pool: str) -> np.ndarray:
+        array: np.ndarray = getattr(self, pool)
+        return array
+
+    def items(self) -> list[tuple[PoolName, np.ndarray]]:
+        return [(p, getattr(self, p)) for p in POOL_NAMES]
+
+
+@attrs.frozen
+class RequestTables(_PerPool):
+    """The seven per-request block tables, each ``[R, w]`` int32, request axis on dim 0; ``-1`` = unmapped.
+
+    A ring pool's table (ori and the three state pools) holds logical page ``j`` of request ``r`` in column
+    ``j % w``; a compressed pool's (csa_cmp, idx, hca_cmp) in column ``j``. Each table has its own width w, between
+    the pages of the widest live range of the call and ``ModelConfig.layout.pools[p].table_width`` (spec 5.6).
 
     Attributes:
-        ori: [R, ceil(max_pos/32)] int32: page pos//32 -> kv block; -1 unmapped.
-        csa_cmp: [R, ceil(max_pos/4/32)] int32: ratio-4 entry page c//32 -> block; -1 unmapped.
-        hca_cmp: [R, ceil(max_pos/128/32)] int32: ratio-128 entry page c//32 -> block.
-        idx: [R, ceil(max_pos/4/32)] int32: indexer entry page c//32 -> idx cache block.
-        csa_state: [R, ceil(max_pos/2)] int32: state page pos//2 -> ratio-4 state block.
-        csa_inner_state: [R, ceil(max_pos/2)] int32: pos//2 -> indexer state block.
-        hca_state: [R, ceil(max_pos/8)] int32: pos//8 -> ratio-128 state block.
+        ori: [R, w] int32: page pos//32 -> kv block (ring).
+        csa_cmp: [R, w] int32: ratio-4 entry page c//32 -> block.
+        hca_cmp: [R, w] int32: ratio-128 entry page c//32 -> block.
+        idx: [R, w] int32: indexer entry page c//32 -> idx cache block.
+        csa_state: [R, w] int32: state page pos//2 -> ratio-4 state block (ring).
+        csa_inner_state: [R, w] int32: pos//2 -> indexer state block (ring).
+        hca_state: [R, w] int32: pos//8 -> ratio-128 state block (ring).
     """
 
     ori: np.ndarray = _afield(TABLE_FIELDS["ori"])
@@ -101,16 +115,9 @@ class RequestTables:
     csa_inner_state: np.ndarray = _afield(TABLE_FIELDS["csa_inner_state"])
     hca_state: np.ndarray = _afield(TABLE_FIELDS["hca_state"])
 
-    def __getitem__(self, pool: str) -> np.ndarray:
-        table: np.ndarray = getattr(self, pool)
-        return table
-
-    def items(self) -> list[tuple[PoolName, np.ndarray]]:
-        return [(p, getattr(self, p)) for p in POOL_NAMES]
-
 
 @attrs.frozen
-class SlotMappings:
+class SlotMappings(_PerPool):
     """The seven slot mappings, each ``[P]`` int64: flat physical row written by each group row, -1 = no write.
 
     ori and the three state mappings are set on every live token; csa_cmp, idx and hca_cmp only on
@@ -133,13 +140,6 @@ class SlotMappings:
     csa_state: np.ndarray = _afield(SLOT_FIELDS["csa_state"])
     csa_inner_state: np.ndarray = _afield(SLOT_FIELDS["csa_inner_state"])
     hca_state: np.ndarray = _afield(SLOT_FIELDS["hca_state"])
-
-    def __getitem__(self, pool: str) -> np.ndarray:
-        slots: np.ndarray = getattr(self, pool)
-        return slots
-
-    def items(self) -> list[tuple[PoolName, np.ndarray]]:
-        return [(p, getattr(self, p)) for p in POOL_NAMES]
 
 
 def _pool_blocks(value: Mapping[str, int] | PoolBlocks) -> PoolBlocks:

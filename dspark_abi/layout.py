@@ -249,21 +249,16 @@ def physical_rows(table: np.ndarray, request: np.ndarray, logical: np.ndarray, p
     return np.where(block >= 0, block * page_size + offset, -1)
 
 
-def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int, *, keep_empty: bool = False
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
     """(request, page) of every logical page that requests with new positions ``[start, end)`` read or write.
 
     start, end: [R] int. Returns two flat int64 arrays, requests ascending and pages ascending within each
-    request; empty requests (start == end) touch nothing, unless ``keep_empty``: then they yield the pages of
-    their :func:`live_range` too (what :class:`~dspark_abi.allocator.BlockAllocator` maps for them).
-    Cost O(R + touched pages).
+    request; empty requests (start == end) touch nothing. Cost O(R + touched pages).
     """
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
-    lo, hi = live_range(pl, start, end, window)
-    has = hi > lo if keep_empty else (end > start) & (hi > lo)
-    first = np.where(has, lo // pl.page_size, 0)
-    count = np.where(has, (hi - 1) // pl.page_size - first + 1, 0)
+    count = live_pages(pl, start, end, window)
+    first = np.where(count > 0, live_range(pl, start, end, window)[0] // pl.page_size, 0)
     request = np.repeat(np.arange(start.size, dtype=np.int64), count)
     offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     return request, first[request] + offset
