@@ -244,6 +244,34 @@ class ModelConfig(StrictModel):
             raise ABIError(issues_from_pydantic(exc, prefix="config.json")) from None
 
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """This config as DeepSeek-V4 ``config.json`` keys (what :meth:`from_hf_config` reads back to an equal
+        config, ``name`` aside: a folder's config is named after the folder). Quantisation keys are written by
+        ``dspark_kernels.model.checkpoint_format.QuantFormat.to_hf_config``."""
+        m = self.moe
+        out: dict[str, Any] = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "_name_or_path": self.name,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": 1, "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim, "q_lora_rank": self.q_lora_rank, "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank, "sliding_window": self.sliding_window, "rms_norm_eps": self.rms_norm_eps,
+            "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk, "compress_ratios": list(self.compress_ratios),
+            "rope_theta": self.rope_theta, "compress_rope_theta": self.compress_rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.model_dump(),
+            "max_position_embeddings": self.max_position_embeddings, "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps, "vocab_size": self.vocab_size,
+            "n_routed_experts": m.n_routed_experts, "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_intermediate_size, "n_shared_experts": m.n_shared_experts,
+            "num_hash_layers": m.num_hash_layers, "scoring_func": m.scoring_func,
+            "routed_scaling_factor": m.routed_scaling_factor, "swiglu_limit": m.swiglu_limit,
+            "norm_topk_prob": m.norm_topk_prob, "torch_dtype": "bfloat16",
+        }
+        if self.dspark_target_layers:
+            out["dspark_target_layer_ids"] = list(self.dspark_target_layers)
+        return out
+
+
 def issues_from_pydantic(exc: ValidationError, *, prefix: str, code: str = "config.invalid") -> list[Issue]:
     """Turn a pydantic ValidationError into ABI issues (one per error, with its location)."""
     out = []

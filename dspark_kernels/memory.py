@@ -5,8 +5,10 @@
 * weights: every tensor :func:`~dspark_kernels.model.weight_specs.weight_specs` lists, as :class:`ModelWeights` holds
   it (float32; ``tid2eid`` int64), including all routed experts of every layer; plus the transient of building
   one layer (its experts are read one by one, then stacked: twice that layer's experts at once) and, in
-  ``a2a3`` precision, the attention weights' prepared copies. Streaming weights (``resident_layers=1``, a
-  safetensors checkpoint read one layer at a time) count only the largest layer besides embedding and head.
+  ``a2a3`` precision, the attention weights' prepared copies. Streaming weights (``resident_layers=1``: a
+  checkpoint, or random weights too large to keep, read one layer at a time) count the largest layer without its
+  routed experts, one routed expert (the MoE reads one at a time), the head, and no embedding table (only the
+  batch's rows are read).
 * caches: every pool of every layer at the allocator's block counts (:class:`ModelCaches` layout).
 * activations: per padded row, the forward's live [rows, ...] intermediates (residual streams, query heads,
   indexer heads, expert hidden rows); measured on TINY the forward peaks at 24-28 KiB per row where this
@@ -133,17 +135,24 @@ def estimate_prefill(config: ModelConfig, pool_blocks: Mapping[str, int] | PoolB
     other, layers, experts, attn = weight_bytes_by_layer(config)
     if resident_layers is None:
         resident, routed = sum(layers), sum(experts)
-    else:
-        largest = sorted(layers, reverse=True)[:resident_layers]
-        resident, routed = sum(largest), sum(sorted(experts, reverse=True)[:resident_layers])
-    transient = max(experts, default=0)  # one layer's experts, read one by one, then stacked
+        transient = max(experts, default=0)  # one layer's experts, read one by one, then stacked
+    else:  # streaming: the layers being run without their experts, one expert at a time, the embedding's rows
+        d = config.hidden_size
+        one_expert = 3 * config.moe.moe_intermediate_size * d * _ELEMENT_BYTES["float"]
+        without_experts = sorted((n - e for n, e in zip(layers, experts, strict=True)), reverse=True)
+        resident = sum(without_experts[:resident_layers])
+        routed = resident_layers * one_expert if config.moe.n_routed_experts else 0
+        resident += routed
+        other -= config.vocab_size * d * _ELEMENT_BYTES["float"]  # embed_rows reads [rows, D], not the table
+        transient = max(attn, default=0)  # a layer's attention arrays are copied once while they are checked
     if precision != "a2a3":  # fp32 computes with the checkpoint arrays; a2a3 keeps narrowed / int8 copies
         prepared = 0
     else:
         prepared = sum(attn) if resident_layers is None else sum(sorted(attn, reverse=True)[:resident_layers])
     weights = weight_copies * (other + resident + prepared) + transient
     caches = cache_bytes(config, pool_blocks, precision)
-    per_kernel = KERNEL_PROCESS_BYTES + max(layers, default=0) + caches // max(config.num_layers, 1)
+    layer_bytes = max(layers, default=0) if resident_layers is None else resident // resident_layers
+    per_kernel = KERNEL_PROCESS_BYTES + layer_bytes + caches // max(config.num_layers, 1)
     return MemoryEstimate(weights=weights, caches=cache_copies * caches,
                           activations=activation_copies * activation_bytes(config, rows, logit_rows)
                           + kernel_processes * per_kernel,
@@ -163,6 +172,15 @@ def available_bytes() -> int | None:
     if limit is not None:
         avail = limit if avail is None else min(avail, limit)
     return avail
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``getrusage``; file pages it mapped and touched count)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes on macOS, KiB on Linux
 
 
 def _meminfo_available() -> int | None:

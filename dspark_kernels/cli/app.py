@@ -32,6 +32,7 @@ from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.cli.common import Parser, UsageError, add_batch_arguments, check_output
 from dspark_abi.errors import ABIError
 from dspark_abi.io import fixtures
+from dspark_kernels import memory
 from dspark_kernels.api import prefill
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
 from dspark_kernels.cli.progress import PROGRESS_DELAY_S, LayerProgress, progress_mode
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     allocator = BlockAllocator(config, pool_blocks_for(config, [c + n for n, c in requests]))
     context, batch = _plan(config, allocator, requests, prompts, args.tp)
     weights = load_weights(args, config)
-    check_memory(config, args, [*(b for _, b in context), batch], allocator.pool_blocks)
+    check_memory(config, args, [*(b for _, b in context), batch], allocator.pool_blocks, weights)
 
     # 2. the cached context: every request's earlier tokens first (chunks of at most token_cap), then the batch
     caches = ModelCaches.allocate(config, allocator.pool_blocks, precision=args.precision)
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"config": config.name, "tp": args.tp, "mode": args.mode, "precision": args.precision,
                           "backend": args.backend, "tokens": batch.num_tokens, "seconds": elapsed,
-                          "context_seconds": t_ctx, "requests": summary, "target_hidden": features}, indent=2))
+                          "context_seconds": t_ctx, "peak_rss_bytes": memory.peak_rss_bytes(),
+                          "requests": summary, "target_hidden": features}, indent=2))
     else:
         print(f"config={config.name} TP={args.tp} mode={args.mode} backend={args.backend} "
               f"precision={args.precision} N={batch.num_tokens} P={batch.padded_rows} L={batch.local_rows}")
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             nxt = "-" if s["next_token"] is None else str(s["next_token"])
             print(f"{s['request']:>7} {s['new_tokens']:>5} {s['cached_tokens']:>7} {span:>13} {nxt:>10}")
         print(f"prefill {batch.num_tokens} tokens in {elapsed:.3f} s ({batch.num_tokens / elapsed:,.0f} tokens/s); "
-              f"context fill {t_ctx:.3f} s")
+              f"context fill {t_ctx:.3f} s; peak memory {memory.format_bytes(memory.peak_rss_bytes())}")
         if features is not None and target is not None:
             print(f"DSpark target hidden: layers {features['layers']} -> [{target.shape[0]}, {target.shape[1]}] "
                   "(hc_head of each layer's output streams, concatenated)")

@@ -24,6 +24,9 @@ from dspark_kernels.model.weights import ModelWeights
 
 #: Share of the available memory a run may be estimated to use (the rest: the interpreter, other processes).
 MEMORY_HEADROOM = 0.9
+#: Random weights are kept in memory (every layer built once) when the whole model takes at most this share of
+#: the available memory; larger models (FLASH) are streamed layer by layer and expert by expert, like a checkpoint.
+KEEP_RANDOM_SHARE = 0.5
 
 
 class RunError(Exception):
@@ -120,14 +123,17 @@ def load_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def load_weights(args: argparse.Namespace, config: ModelConfig) -> ModelWeights:
+    """--weights DIR (streamed: memory-mapped, a layer and its used experts at a time), else random weights,
+    kept in memory when the whole model fits and streamed the same way when it does not (``--config flash``)."""
     if args.weights is None:
-        return ModelWeights.random(config, seed=args.seed)
+        have = memory.available_bytes()
+        keep = have is None or memory.weight_bytes(config) <= KEEP_RANDOM_SHARE * have
+        return ModelWeights.random(config, seed=args.seed, keep_layers=keep)
     folder = Path(args.weights)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if not any(folder.glob("*.safetensors")):
         raise UsageError(f"--weights {folder}: holds no *.safetensors files; pass the checkpoint's folder")
     try:
-        return ModelWeights.from_safetensors(files, config)
+        return ModelWeights.from_safetensors(folder, config)
     except WeightsError as exc:
         if exc.unreadable:
             raise UsageError(f"--weights {folder}: {exc.summary()}; re-download or re-convert that file") from None
@@ -139,13 +145,13 @@ def load_weights(args: argparse.Namespace, config: ModelConfig) -> ModelWeights:
 
 
 def check_memory(config: ModelConfig, args: argparse.Namespace, batches: Sequence[PackedBatch],
-                  pool_blocks: Any) -> None:
+                  pool_blocks: Any, weights: ModelWeights) -> None:
     """Refuse a run whose estimated memory exceeds what this machine has available."""
     tp = args.tp
     copies = {"group": (1, 1, 1), "threads": (1, tp, tp), "distributed": (1 + tp, 1 + 2 * tp, tp)}[args.mode]
     need = memory.estimate_prefill(
         config, pool_blocks, rows=max(b.padded_rows for b in batches), logit_rows=len(args.request),
-        precision=args.precision, resident_layers=None if args.weights is None else 1,
+        precision=args.precision, resident_layers=None if weights.keep_layers else 1,
         weight_copies=copies[0], cache_copies=copies[1], activation_copies=copies[2],
         kernel_processes=0 if args.backend != "pypto" else 1 if args.mode == "group" else tp)
     have = memory.available_bytes()

@@ -23,7 +23,8 @@ name (under ``layers.{i}.attn.``)               shape                         la
 =============================================  ============================  ===============
 
 Tensors are accepted as float16, bfloat16, float32 or float64 and held as read-only float32.
-FP8 checkpoint tensors must be dequantised first.
+Quantised checkpoint tensors arrive dequantised from :class:`~dspark_kernels.model.shard_index.ShardIndex`
+(W8A8 ones also as :attr:`AttentionWeights.stored_int8`).
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ class AttentionWeights:
     attn_sink: np.ndarray
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
+    stored_int8: Mapping[str, tuple[np.ndarray, np.ndarray]] = attrs.field(factory=dict)
+    """Projections the checkpoint stores as int8 + per-channel scale (W8A8), by relative name (``"wq_b.weight"``):
+    (q [out, in] float32 integers, scale [out] float32), equal to the float array times the scale. The a2a3
+    precision computes with them as stored instead of re-quantising the dequantised weight."""
 
     @property
     def kind(self) -> LayerKind:
@@ -138,13 +143,15 @@ class AttentionWeights:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_tensors(cls, config: ModelConfig, layer: int, tensors: Mapping[str, Any],
-                     *, prefix: str | None = None) -> AttentionWeights:
+                     *, prefix: str | None = None,
+                     int8: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> AttentionWeights:
         """Pick layer ``layer``'s tensors out of a checkpoint mapping name -> array and validate them.
 
         Names are ``prefix + relative name``; the prefix defaults to ``layers.{layer}.attn.`` (pass ``""``
         for bare names). Names outside the prefix are ignored, so a whole shard can be passed. Raises one
         :class:`ABIError` listing every missing (``array.missing``), unexpected for this layer kind
         (``config.mismatch``), mis-shaped (``array.shape``) or non-float (``array.dtype``) tensor.
+        ``int8``: checkpoint name -> (q, scale) of projections stored as W8A8 (see :attr:`stored_int8`).
         """
         if not 0 <= layer < config.num_layers:
             raise ABIError([Issue("config.mismatch", "layer", f"{config.name} has {config.num_layers} layers",
@@ -170,9 +177,19 @@ class AttentionWeights:
                                     expected=list(shape), actual=list(a.shape)))
             else:
                 arrays[name] = _frozen(a)
+        stored = {k[len(pre):]: v for k, v in (int8 or {}).items() if k.startswith(pre)}
+        for name, (q, scale) in stored.items():  # W8A8 parts must be the float array's exact factors
+            w = arrays.get(name)
+            if w is not None and (q.shape != w.shape or scale.shape != w.shape[:1]
+                                  or not np.array_equal(q * scale[:, None], w)):
+                issues.append(Issue("array.shape", pre + name, "int8 parts do not multiply to the float weight",
+                                    expected=f"q {list(w.shape)} * scale [{w.shape[0]}] == weight",
+                                    actual=f"q {list(q.shape)}, scale {list(scale.shape)}",
+                                    fix="pass the int8 tensor and scale the weight was dequantised from"))
         if issues:
             raise ABIError(issues)
-        return cls._assemble(config, layer, arrays)
+        return attrs.evolve(cls._assemble(config, layer, arrays),
+                            stored_int8={n: (_frozen(q), _frozen(sc)) for n, (q, sc) in stored.items()})
 
     @classmethod
     def _assemble(cls, config: ModelConfig, layer: int, a: Mapping[str, np.ndarray]) -> AttentionWeights:

@@ -94,6 +94,16 @@ class QuantFormat:
         """safetensors code of the FP8 block scales: F8_E8M0 with FP4 experts, F32 with FP8 experts (vLLM)."""
         return "F8_E8M0" if self.expert_dtype == "fp4" else "F32"
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` keys :meth:`from_hf_config` reads back to this format (none for a float checkpoint)."""
+        if not self.quantized:
+            return {}
+        qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(self.weight_block),
+                              "activation_scheme": "dynamic"}
+        if self.scale_fmt is not None:
+            qc["scale_fmt"] = self.scale_fmt
+        return {"quantization_config": qc, "expert_dtype": self.expert_dtype}
+
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> QuantFormat:
         """Read ``quantization_config`` (+ top-level ``expert_dtype``, default ``fp4`` like vLLM) of a config.json.

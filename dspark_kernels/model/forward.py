@@ -101,7 +101,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
 
     if inputs.dtype.kind in "iu":
-        x_hc = np.repeat(weights.embed()[inputs.astype(np.int64)][:, None, :], cfg.hc_mult, axis=1)
+        x_hc = np.repeat(weights.embed_rows(inputs)[:, None, :], cfg.hc_mult, axis=1)
         x_hc[plan.request < 0] = 0.0  # padding rows carry zero hidden state
     elif inputs.ndim == 2:
         x_hc = np.repeat(inputs.astype(np.float32)[:, None, :], cfg.hc_mult, axis=1)

@@ -66,9 +66,12 @@ def _compressor(cw: CompressorWeights | None, precision: Precision) -> PreparedC
                               narrow(cw.norm, precision))
 
 
-def _int8_or_float(w: np.ndarray, precision: Precision) -> tuple[np.ndarray, np.ndarray | None]:
-    if precision == "fp32":
+def _int8_or_float(w: np.ndarray, precision: Precision, stored: tuple[np.ndarray, np.ndarray] | None
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+    if precision != "a2a3":
         return w, None
+    if stored is not None:  # a W8A8 checkpoint: its own int8 values and scales (re-quantising moves scales an ulp)
+        return stored
     return int8_quantize(w)  # per output channel: one scale per row of [out, in]
 
 
@@ -76,13 +79,14 @@ def prepare_weights(weights: AttentionWeights, precision: str) -> PreparedWeight
     """Derive the arrays ``precision`` uses from ``weights`` (pure; the caller caches the result)."""
     prec = check_precision(precision)
     c = weights.config
-    wq_b, wq_b_scale = _int8_or_float(weights.wq_b, prec)
-    wo_b, wo_b_scale = _int8_or_float(weights.wo_b, prec)
+    stored = weights.stored_int8
+    wq_b, wq_b_scale = _int8_or_float(weights.wq_b, prec, stored.get("wq_b.weight"))
+    wo_b, wo_b_scale = _int8_or_float(weights.wo_b, prec, stored.get("wo_b.weight"))
     wo_a = narrow(weights.wo_a, prec).reshape(c.o_groups, c.o_lora_rank, -1)   # (G, Ro, H*D/G)
     idx = weights.indexer
     idx_wq_b = idx_scale = idx_proj = idx_h = None
     if idx is not None:
-        idx_wq_b, idx_scale = _int8_or_float(idx.wq_b, prec)
+        idx_wq_b, idx_scale = _int8_or_float(idx.wq_b, prec, stored.get("indexer.wq_b.weight"))
         idx_proj = narrow(idx.weights_proj, prec)
         idx_h = narrow(hadamard(c.index_head_dim), prec)
     return PreparedWeights(

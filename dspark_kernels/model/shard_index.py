@@ -268,6 +268,24 @@ class ShardIndex:
             return quant.dequant_fp4_blocks(q, s)
         return quant.dequant_int8_channels(q, s, axis=-1)
 
+    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """``tensor(name)[rows]`` (float32), reading only those rows when the tensor is stored as a float
+        (the embedding: a few of its V rows per prefill)."""
+        if self.kind(name) != "float":
+            return self.tensor(name)[np.asarray(rows, dtype=np.int64)]
+        return np.asarray(self.raw(name)[np.asarray(rows, dtype=np.int64)], dtype=np.float32)
+
+    def int8_parts(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A W8A8 tensor's stored parts (q [..., in] float32 integers in [-128, 127], scale [...] float32, with
+        ``tensor(name) == q * scale[..., None]``), or None when ``name`` is stored in another kind."""
+        if self.kind(name) != "int8_channel":
+            return None
+        scale = self.scale_name(name)
+        if scale is None:  # kind() guarantees a companion
+            return None
+        return (np.asarray(self.raw(name), dtype=np.float32),
+                quant.scale_to_float32(np.asarray(self.raw(scale))).reshape(self.stored(name).shape[:-1]))
+
     # ------------------------------------------------------------------ validation
     def _check(self, fmt: TensorFormat, *, strict: bool) -> list[Issue]:
         name = fmt.name
@@ -275,11 +293,14 @@ class ShardIndex:
             return [] if fmt.optional else [Issue("array.missing", name, f"required (shipped as {fmt.shipped})",
                                                   expected=list(fmt.shape), actual="missing",
                                                   fix="download the shard holding it or fix the checkpoint names")]
+        code = self._stored[name].dtype
+        if code not in _FLOAT_CODES + _INT_CODES and not set(fmt.accepts) & set(_QUANTISED_KINDS):
+            return [Issue("array.dtype", name, f"stored as {code}; expected {fmt.shipped}", expected=list(fmt.accepts),
+                          actual=code, fix=f"store {name} as {fmt.shipped} (it is never quantised)")]
         try:
             kind, shape = self.kind(name), self.logical_shape(name)
         except ABIError as err:
             return list(err.issues)
-        code = self._stored[name].dtype
         allowed = (fmt.kind,) if strict else fmt.accepts
         out = []
         if kind not in allowed:

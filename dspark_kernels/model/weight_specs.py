@@ -29,7 +29,8 @@ name                                           shape               notes
 =============================================  ==================  =========================================
 
 Float tensors may be float16, bfloat16, float32 or float64 and are computed with as float32; ``tid2eid`` is
-int32 or int64. FP8/FP4 checkpoint tensors (with ``.scale`` companions) must be dequantised first. Names the
+int32 or int64. A checkpoint folder is read in its stored formats (FP8 / FP4 / int8 with ``.scale`` companions,
+:meth:`ModelWeights.from_safetensors`); an in-memory mapping (``from_tensors``) holds floats. Names the
 model does not use (``mtp.*``, scales) are ignored.
 """
 
@@ -112,7 +113,8 @@ class WeightsError(ABIError):
         """One line, e.g. '170 of 170 tensors tiny needs are missing (embed.weight, ...); the checkpoint holds
         12 tensors tiny does not read (model.embed.weight, ...)'."""
         if self.unreadable:
-            return "; ".join(i.message for i in self.issues)
+            return "; ".join(f"{i.field}: {i.message}" if i.field in self.unreadable else i.message
+                             for i in self.issues)
         n, parts = self.EXAMPLES, []
         missing, shape, dtype = self.by_code("array.missing"), self.by_code("array.shape"), self.by_code("array.dtype")
         if missing:
@@ -124,7 +126,7 @@ class WeightsError(ABIError):
                          f"{first.actual}{', ...' if len(shape) > 1 else ''})")
         if dtype:
             parts.append(f"{len(dtype)} have an unsupported dtype ({dtype[0].field}: {dtype[0].actual}; "
-                         "dequantise FP8/FP4 checkpoints first)")
+                         "in-memory weights are floats; load FP8/FP4 checkpoints with from_safetensors)")
         others = [i for i in self.issues if i.code not in ("array.missing", "array.shape", "array.dtype")]
         parts += [str(i) for i in others[:1]]
         text = ", ".join(parts) if parts else "weights are invalid"

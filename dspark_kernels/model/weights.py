@@ -1,7 +1,14 @@
 """The whole model's weights (`ModelWeights`): validated up front against
 :func:`~dspark_kernels.model.weight_specs.weight_specs` (the checkpoint names and shapes, tabled in
 :mod:`dspark_kernels.model.weight_specs`), read lazily one layer at a time from an in-memory mapping,
-safetensors files or deterministic random values. One attention layer's weights are
+a checkpoint folder in its stored formats (:class:`~dspark_kernels.model.shard_index.ShardIndex`: memory-mapped
+shards, FP8 / FP4 / int8 dequantised per tensor when a layer runs) or deterministic random values.
+
+Streaming (``keep_layers=False``, the default for checkpoints): a layer is built when the forward runs it and
+dropped after; its routed experts are :class:`~dspark_kernels.model.block_weights.ExpertStack` s read one expert
+at a time when tokens are routed to it; the embedding gives only the batch's rows. Peak memory is then one
+layer without its experts, one expert, the fp32 LM head and the activations (docs/serving.md). One attention
+layer's weights are
 :class:`~dspark_kernels.model.attention_weights.AttentionWeights`; the hyper-connection, MoE and head value
 classes are in :mod:`dspark_kernels.model.block_weights`.
 """
@@ -16,16 +23,15 @@ from typing import Any
 import attrs
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from dspark_abi import ABIError, Issue, ModelConfig, ValidationReport
 from dspark_kernels.model.attention_weights import FLOAT_DTYPES, INT_DTYPES, AttentionWeights, expected_shapes
-from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
+from dspark_kernels.model.block_weights import ExpertStack, HcWeights, HeadWeights, MoEWeights
+from dspark_kernels.model.checkpoint_format import QuantFormat, model_formats
+from dspark_kernels.model.shard_index import ShardIndex
 from dspark_kernels.model.weight_specs import TensorSpec, WeightsError, weight_specs
 
-_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I32": "int32",
-              "I64": "int64", "I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
 #: Random tensors larger than this repeat a block of this many (prime) values, so that building a DEMO-size
 #: model costs memory bandwidth, not random-number generation. Rows never repeat (prime period > row length).
 _RANDOM_PERIOD = 1_048_573
@@ -43,34 +49,7 @@ class _ArraySource:
         return np.asarray(self.arrays[name])
 
 
-class _SafetensorsSource:
-    """Tensors spread over safetensors files; headers are read at construction, data when a tensor is loaded."""
-
-    def __init__(self, paths: Iterable[Path]):
-        self.where: dict[str, Path] = {}
-        self._info: dict[str, tuple[tuple[int, ...], str]] = {}
-        self.unreadable: list[Issue] = []
-        for path in paths:
-            try:
-                with safe_open(str(path), framework="numpy") as f:
-                    for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                        sl = f.get_slice(name)
-                        self.where[name] = path
-                        self._info[name] = (tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-            except (OSError, SafetensorError) as exc:  # missing, unreadable, truncated or not safetensors at all
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                self.unreadable.append(Issue("array.missing", str(path), f"cannot read {path}: {reason}",
-                                             expected="a safetensors file", actual=type(exc).__name__))
-
-    def info(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        return self._info
-
-    def load(self, name: str) -> np.ndarray:
-        with safe_open(str(self.where[name]), framework="numpy") as f:
-            return f.get_tensor(name)
-
-
-class _RandomSource:
+class RandomSource:
     """Deterministic random tensors: each name seeds its own generator from (seed, crc32(seed name)).
 
     The seed name is the checkpoint name, unless ``share_layers``: then attention and gate tensors of all layers
@@ -97,16 +76,34 @@ class _RandomSource:
         return f"layers.{key}.{rest}"
 
     def load(self, name: str) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, zlib.crc32(self.seed_name(name).encode())])
-        return self._generate(name, self.specs[name], rng)
+        spec = self.specs[name]
+        if spec.family == "int":
+            return self._tid2eid(spec, self._rng(name))
+        block = self._block(name, spec)
+        out = np.resize(block, int(np.prod(spec.shape))).reshape(spec.shape)
+        out.flags.writeable = False
+        return out
 
-    def _generate(self, name: str, spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
-        shape, n = spec.shape, int(np.prod(spec.shape))
-        if spec.family == "int":  # tid2eid: K distinct experts per token
-            experts = self.config.moe.n_routed_experts
-            return np.argsort(rng.random((shape[0], experts)), axis=1)[:, : shape[1]].astype(np.int32)
+    def rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """``load(name)[rows]`` of a 2-D float tensor without generating the rest (the embedding's few rows)."""
+        spec = self.specs[name]
+        block = self._block(name, spec)
+        flat = np.asarray(rows, dtype=np.int64)[:, None] * spec.shape[1] + np.arange(spec.shape[1])
+        return block[flat % block.size]
+
+    def _rng(self, name: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(self.seed_name(name).encode())])
+
+    def _tid2eid(self, spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+        """K distinct experts per token."""
+        experts = self.config.moe.n_routed_experts
+        return np.argsort(rng.random((spec.shape[0], experts)), axis=1)[:, : spec.shape[1]].astype(np.int32)
+
+    def _block(self, name: str, spec: TensorSpec) -> np.ndarray:
+        """The tensor's first ``min(n, _RANDOM_PERIOD)`` values (bf16 values as float32); the rest repeats them."""
+        rng = self._rng(name)
         leaf = name.rsplit(".", 1)[-1] if not name.endswith(".weight") else name.rsplit(".", 2)[-2]
-        base = rng.standard_normal(min(n, _RANDOM_PERIOD), dtype=np.float32)
+        base = rng.standard_normal(min(int(np.prod(spec.shape)), _RANDOM_PERIOD), dtype=np.float32)
         if leaf.endswith("norm") or leaf.endswith("_scale") or leaf == "scale":
             base = 1.0 + 0.1 * base
         elif leaf in ("bias", "ape") or leaf.endswith("_base"):
@@ -114,11 +111,8 @@ class _RandomSource:
         elif leaf == "embed" or leaf == "attn_sink":
             pass
         else:  # projections [out, in]: unit-variance outputs
-            base = base * np.float32(shape[-1] ** -0.5)
-        base = base.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16 values, as a checkpoint holds
-        out = np.resize(base, n).reshape(shape)
-        out.flags.writeable = False
-        return out
+            base = base * np.float32(spec.shape[-1] ** -0.5)
+        return base.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16 values, as a checkpoint holds
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -139,8 +133,8 @@ class ModelWeights:
     """All weights of a :class:`ModelConfig`, validated at construction, materialised lazily.
 
     ``layer(i)`` reads layer i's tensors when it is asked for (a forward asks when the layer runs);
-    with ``keep_layers`` the result is kept for later calls, otherwise it is rebuilt each time (streaming,
-    for models larger than memory). Build with :meth:`random`, :meth:`from_safetensors` or :meth:`from_tensors`.
+    with ``keep_layers`` the result is kept for later calls, otherwise it is rebuilt each time and its routed
+    experts are read one at a time as the MoE reaches them (streaming, for models larger than memory). Build with :meth:`random`, :meth:`from_safetensors` or :meth:`from_tensors`.
     """
 
     def __init__(self, config: ModelConfig, source: Any, *, keep_layers: bool = True):
@@ -169,29 +163,33 @@ class ModelWeights:
         """Deterministic random weights (bf16 values): projections ~ N(0, 1/fan_in), norms and hc scales
         ~ 1 + N(0, 0.01), biases ~ N(0, 0.01), ape ~ N(0, 0.25), embeddings and sinks ~ N(0, 1), and
         ``tid2eid`` rows of K distinct experts. ``share_layers`` gives all layers of one kind the same values."""
-        return cls(config, _RandomSource(config, seed, share_layers), keep_layers=keep_layers)
+        return cls(config, RandomSource(config, seed, share_layers), keep_layers=keep_layers)
 
     @classmethod
     def from_safetensors(cls, paths: str | Path | Iterable[str | Path], config: ModelConfig, *,
                          keep_layers: bool = False) -> ModelWeights:
-        """Weights from a directory of ``*.safetensors`` files or a list of files (headers checked now).
+        """Weights from a checkpoint folder (its ``model.safetensors.index.json``, else every ``*.safetensors``),
+        one shard file or a list of them, in any stored format :class:`ShardIndex` reads (FP8 / FP4 / int8 +
+        scales as shipped, or floats). Headers are checked now; tensors are memory-mapped and dequantised when
+        a layer runs (``keep_layers=False``: streaming, routed experts one at a time as tokens reach them).
 
         Raises :class:`WeightsError` (an :class:`ABIError`) when a file cannot be read or the tensors do not fit
         ``config``; its ``summary()`` is one line however many tensors are wrong."""
-        if isinstance(paths, str | Path) and Path(paths).is_dir():
-            files = sorted(Path(paths).glob("*.safetensors"))
-        else:
-            files = [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]
-        if not files:
-            raise WeightsError([Issue("array.missing", "weights", f"no *.safetensors files found in {paths}",
-                                      expected="one or more files", actual=str(paths))],
-                               config_name=config.name, required=len(weight_specs(config)), unreadable=[str(paths)])
-        return cls(config, _SafetensorsSource(files), keep_layers=keep_layers)
+        try:
+            source = ShardIndex(paths if isinstance(paths, str | Path) else [Path(p) for p in paths])
+        except ABIError as exc:
+            unreadable = [i.field for i in exc.issues if i.code == "fixture.unreadable"]
+            raise WeightsError(exc.issues, config_name=config.name, required=len(weight_specs(config)),
+                               unreadable=unreadable) from None
+        return cls(config, source, keep_layers=keep_layers)
 
     @classmethod
-    def from_tensors(cls, config: ModelConfig, tensors: Mapping[str, Any]) -> ModelWeights:
-        """Weights from an in-memory mapping checkpoint name -> array."""
-        return cls(config, _ArraySource(tensors))
+    def from_tensors(cls, config: ModelConfig, tensors: Mapping[str, Any], *, keep_layers: bool = True
+                     ) -> ModelWeights:
+        """Weights from an in-memory mapping checkpoint name -> float (or int ``tid2eid``) array; floats are
+        computed with as float32. ``keep_layers=False`` builds each layer when it runs and reads routed experts
+        one at a time (arrays larger than memory in float32, e.g. bf16 or memory-mapped ones)."""
+        return cls(config, _ArraySource(tensors), keep_layers=keep_layers)
 
     def save_safetensors(self, path: str | Path, *, dtype: str = "bfloat16") -> None:
         """Write every tensor to one safetensors file (floats as ``dtype``), loadable by :meth:`from_safetensors`."""
@@ -205,6 +203,9 @@ class ModelWeights:
     # ------------------------------------------------------------------ validation
     def validate(self) -> ValidationReport:
         """Every missing, mis-shaped or mis-typed tensor (codes array.missing / array.shape / array.dtype)."""
+        if isinstance(self._source, ShardIndex):  # stored kinds and scale shapes too (headers only)
+            formats = model_formats(self.config, QuantFormat(quantized=True))
+            return self._source.validate([formats[n] for n in weight_specs(self.config)])
         info = self._source.info()
         issues = []
         for name, spec in weight_specs(self.config).items():
@@ -215,8 +216,9 @@ class ModelWeights:
             shape, dtype = info[name]
             allowed = FLOAT_DTYPES if spec.family == "float" else INT_DTYPES
             if dtype not in allowed:
-                issues.append(Issue("array.dtype", name, f"must be one of {'/'.join(allowed)} (dequantise FP8/FP4 "
-                                    "checkpoints first)", expected=spec.family, actual=dtype))
+                issues.append(Issue("array.dtype", name, f"must be one of {'/'.join(allowed)} (in-memory weights are "
+                                    "floats; load FP8/FP4 checkpoints with from_safetensors)", expected=spec.family,
+                                    actual=dtype))
             if tuple(shape) != spec.shape:
                 issues.append(Issue("array.shape", name, f"wrong shape for {self.config.name}",
                                     expected=list(spec.shape), actual=list(shape)))
@@ -235,6 +237,13 @@ class ModelWeights:
         if self._embed is None:
             self._embed = self.tensor("embed.weight")
         return self._embed
+
+    def embed_rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """``embed()[token_ids]`` [T, D] fp32; streaming weights read only these rows (FLASH's table is 2 GiB)."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if self._embed is not None or self.keep_layers or not hasattr(self._source, "rows"):
+            return self.embed()[ids]
+        return self._source.rows("embed.weight", ids)
 
     def head(self) -> HeadWeights:
         """hc_head mixer, final norm and LM head (read once, then kept)."""
@@ -262,26 +271,37 @@ class ModelWeights:
 
     def _shared_twin(self, i: int) -> LayerWeights | None:
         src = self._source
-        if not (isinstance(src, _RandomSource) and src.share_layers and self.keep_layers):
+        if not (isinstance(src, RandomSource) and src.share_layers and self.keep_layers):
             return None
         return next((lw for j, lw in self._layers.items() if src.layer_key(j) == src.layer_key(i)), None)
 
-    def _experts(self, i: int) -> dict[str, np.ndarray]:
-        """Stacked ``w1``/``w2``/``w3`` [E, ...] of layer i (shared between layers under ``share_layers``)."""
-        src, p = self._source, f"layers.{i}.ffn.experts."
-        shared = isinstance(src, _RandomSource) and src.share_layers and self.keep_layers
+    def _experts(self, i: int) -> dict[str, np.ndarray | ExpertStack]:
+        """``w1``/``w2``/``w3`` [E, ...] of layer i: stacked arrays when layers are kept (shared between layers
+        under ``share_layers``), else :class:`ExpertStack` s that read one expert when the MoE asks for it."""
+        src, p, m = self._source, f"layers.{i}.ffn.experts.", self.config.moe
+        if not self.keep_layers:
+            d, inter = self.config.hidden_size, m.moe_intermediate_size
+            shapes = {"w1": (inter, d), "w2": (d, inter), "w3": (inter, d)}
+            int8 = getattr(src, "int8_parts", None)
+            return {w: ExpertStack((m.n_routed_experts, *shapes[w]), _ExpertReader(self, f"{p}{{}}.{w}.weight"),
+                                   None if int8 is None else _ExpertReader(self, f"{p}{{}}.{w}.weight", int8=True))
+                    for w in ("w1", "w2", "w3")}
+        shared = isinstance(src, RandomSource) and src.share_layers
         if shared and self._stacked is not None:
             return self._stacked
-        out = {w: np.stack([self.tensor(f"{p}{e}.{w}.weight") for e in range(self.config.moe.n_routed_experts)])
-               for w in ("w1", "w2", "w3")}
+        out: dict[str, np.ndarray | ExpertStack] = {
+            w: np.stack([self.tensor(f"{p}{e}.{w}.weight") for e in range(m.n_routed_experts)])
+            for w in ("w1", "w2", "w3")}
         if shared:
-            self._stacked = out
+            self._stacked = out  # type: ignore[assignment]
         return out
 
     def _read_layer(self, i: int) -> LayerWeights:
         c, t, p = self.config, self.tensor, f"layers.{i}."
         attn_names = [AttentionWeights.prefix(i) + n for n in expected_shapes(c, i)]
-        attn = AttentionWeights.from_tensors(c, i, {n: self._source.load(n) for n in attn_names})
+        int8 = getattr(self._source, "int8_parts", None)
+        stored = {} if int8 is None else {n: parts for n in attn_names if (parts := int8(n)) is not None}
+        attn = AttentionWeights.from_tensors(c, i, {n: self._source.load(n) for n in attn_names}, int8=stored)
         e_count = c.moe.n_routed_experts
         stack = self._experts(i)
         shared = {w: (t(f"{p}ffn.shared_experts.{w}.weight") if c.moe.n_shared_experts else None)
@@ -292,7 +312,7 @@ class ModelWeights:
             raise ABIError([Issue("config.mismatch", p + "ffn.gate.tid2eid", "expert ids must lie in [0, E)",
                                   expected=f"[0, {e_count})", actual=[int(tid2eid.min()), int(tid2eid.max())])])
         moe = MoEWeights(gate_w=t(p + "ffn.gate.weight"), gate_bias=None if hash_layer else t(p + "ffn.gate.bias"),
-                         tid2eid=tid2eid, w1=stack["w1"], w2=stack["w2"], w3=stack["w3"],
+                         tid2eid=tid2eid, w1=stack["w1"], w2=stack["w2"], w3=stack["w3"],  # type: ignore[arg-type]
                          shared_w1=shared["w1"], shared_w2=shared["w2"], shared_w3=shared["w3"])
 
         def hc(which: str) -> HcWeights:
@@ -300,3 +320,18 @@ class ModelWeights:
 
         return LayerWeights(layer=i, attn=attn, attn_norm=t(p + "attn_norm.weight"), ffn_norm=t(p + "ffn_norm.weight"),
                             hc_attn=hc("attn"), hc_ffn=hc("ffn"), moe=moe)
+
+
+@attrs.frozen
+class _ExpertReader:
+    """Reads expert ``e`` of one stack (``template.format(e)``) from a :class:`ModelWeights`; pickles with it."""
+
+    weights: ModelWeights
+    template: str
+    int8: bool = False
+
+    def __call__(self, e: int) -> Any:
+        name = self.template.format(e)
+        if self.int8:
+            return self.weights._source.int8_parts(name)
+        return self.weights.tensor(name)

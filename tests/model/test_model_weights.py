@@ -49,24 +49,40 @@ def _save(weights: ModelWeights, path: Path, *, drop=(), override=None) -> None:
 
 
 def test_safetensors_roundtrip_is_lazy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from dspark_kernels.model.block_weights import ExpertStack
+    from dspark_kernels.model.shard_index import ShardIndex
+
     ref = ModelWeights.random(TINY, 5)
     ref.save_safetensors(tmp_path / "model.safetensors")
     loaded_names: list[str] = []
-    real_load = mw._SafetensorsSource.load
+    real_load = ShardIndex.load
 
     def spy(self, name: str) -> np.ndarray:
         loaded_names.append(name)
         return real_load(self, name)
 
-    monkeypatch.setattr(mw._SafetensorsSource, "load", spy)
+    monkeypatch.setattr(ShardIndex, "load", spy)
     w = ModelWeights.from_safetensors(tmp_path, TINY)
     assert loaded_names == []  # construction reads headers only
     lw = w.layer(2)
     assert loaded_names and all(n.startswith("layers.2.") for n in loaded_names)
-    np.testing.assert_array_equal(lw.moe.w1, np.stack([ref.tensor(f"layers.2.ffn.experts.{e}.w1.weight")
-                                                       for e in range(TINY.moe.n_routed_experts)]))
+    assert not any(".experts." in n for n in loaded_names)  # routed experts wait until tokens reach them
+    assert isinstance(lw.moe.w1, ExpertStack) and lw.moe.w1.shape == ref.layer(2).moe.w1.shape
+    np.testing.assert_array_equal(lw.moe.w1[1], ref.tensor("layers.2.ffn.experts.1.w1.weight"))
+    assert [n for n in loaded_names if ".experts." in n] == ["layers.2.ffn.experts.1.w1.weight"]
     np.testing.assert_array_equal(lw.attn.wq_a, ref.layer(2).attn.wq_a)
     np.testing.assert_array_equal(w.head().head, ref.head().head)
+    ids = np.array([5, 0, 5, TINY.vocab_size - 1])
+    np.testing.assert_array_equal(w.embed_rows(ids), ref.embed()[ids])
+    with pytest.raises(ABIError, match="expert"):
+        lw.moe.w2[TINY.moe.n_routed_experts]
+
+
+def test_random_embedding_rows_equal_the_whole_table():
+    streamed = ModelWeights.random(TINY, 3, keep_layers=False)
+    ids = np.array([7, 1, TINY.vocab_size - 1, 7])
+    np.testing.assert_array_equal(streamed.embed_rows(ids), ModelWeights.random(TINY, 3).embed()[ids])
+    assert streamed._embed is None  # the table itself was never built
 
 
 def test_every_problem_reported_at_once(tmp_path: Path):
@@ -172,7 +188,7 @@ def test_unreadable_safetensors_file_is_named(tmp_path: Path):
     bad.write_bytes(b"\x00" * 5)
     with pytest.raises(WeightsError) as err:
         ModelWeights.from_safetensors([bad], TINY)
-    assert err.value.unreadable == (str(bad),) and err.value.codes == {"array.missing"}
+    assert err.value.unreadable == (str(bad),) and err.value.codes == {"fixture.unreadable"}
     assert str(bad) in err.value.summary() and "header" in err.value.summary()
     again = pickle.loads(pickle.dumps(err.value))  # crosses process boundaries intact
     assert again.summary() == err.value.summary() and again.issues == err.value.issues
