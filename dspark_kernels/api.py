@@ -88,9 +88,11 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     inputs: [P] int64 token ids (embedded here) or [P, D] / [P, hc, D] float32 hidden rows; padding rows
     must be zero. weights: :class:`ModelWeights` (random, in-memory or lazily read safetensors).
     caches: :class:`ModelCaches` allocated with the batch's pool block counts; written in place.
-    backend: 'reference' (numpy, default) or 'pypto' (attention stages through pypto kernels; needs the
+    backend: 'reference' (numpy, default) or 'pypto' (every stage through pypto kernels; needs the
     ``pypto`` extra and ``precision="a2a3"``, the numerics those kernels implement).
-    precision: 'fp32' (exact, default) or 'a2a3' (the a2a3 kernels' bf16/int8 numerics).
+    precision: 'fp32' (exact, default), 'a2a3' (the a2a3 kernels' bf16/int8 numerics) or 'deepseek' (what
+    DeepSeek's official inference computes: bf16 activations, FP8 / FP4 fake quantisation of the KV and the
+    indexer, FP8-GEMM activation quantisation; :mod:`dspark_kernels.model.numerics`).
     layers: distinct int layer indices to run (default all); logit_rows: group rows to sample (default
     batch.logit_rows). Layers, caches (every pool array of the layers run, shape and dtype) and, for the pypto
     backend, the range of the kernels' fp32 indices are checked before anything is read or written.

@@ -38,6 +38,7 @@ from dspark_kernels.cli.checks import RunError, check_extras, check_memory, chec
 from dspark_kernels.cli.progress import PROGRESS_DELAY_S, LayerProgress, progress_mode
 from dspark_kernels.model import tp
 from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.numerics import PRECISIONS
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.pypto.errors import PyptoUnavailableError
@@ -195,7 +196,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "GPU per rank)")
     p.add_argument("--backend", choices=["reference", "pypto"], default="reference",
                    help="attention backend: reference (numpy) or pypto (needs --precision a2a3 and the pypto extra)")
-    p.add_argument("--precision", choices=["fp32", "a2a3"], default="fp32")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="fp32: exact math; a2a3: the a2a3 kernels' bf16/int8 numerics; deepseek: the official "
+                        "inference's bf16 activations with FP8/FP4 fake quantisation (docs/kernels.md)")
     p.add_argument("--weights", metavar="DIR", help="safetensors checkpoint folder (default: random weights)")
     p.add_argument("--seed", type=_seed, default=0, help="seed (>= 0) of random weights and prompts")
     p.add_argument("--save", metavar="FILE", help="write a fixture with the batch, inputs and outputs")

@@ -10,18 +10,23 @@ the same object to the next chunk (or to decode). Only the pools of the layer's 
 ========================  ===========================  ===================================  ===========
 pool                      shape                         dtype                                kinds
 ========================  ===========================  ===================================  ===========
-``ori``                   [B*32, D]                     float32 (bf16 values in a2a3)        all
-``csa_cmp``               [B*32, D]                     float32 (bf16 values in a2a3)        csa
+``ori``                   [B*32, D]                     float32 (bf16 values in a2a3, [1])   all
+``csa_cmp``               [B*32, D]                     float32 (bf16 values in a2a3, [1])   csa
 ``idx`` / ``idx_scale``   [B*32, dI] / [B*32]           int8 + float32 dequant (a2a3);       csa
-                                                        float32 exact + 1.0 (fp32)
+                                                        float32 exact + 1.0 (fp32);
+                                                        float32 e2m1 x 2**k values + 1.0
+                                                        (deepseek: the official bf16 cache)
 ``csa_state``             [B*2, 4*D] = [kv 2D | sc 2D]  float32                              csa
 ``csa_inner_state``       [B*2, 4*dI]                   float32                              csa
-``hca_cmp``               [B*32, D]                     float32 (bf16 values in a2a3)        hca
+``hca_cmp``               [B*32, D]                     float32 (bf16 values in a2a3, [1])   hca
 ``hca_state``             [B*8, 2*D] = [kv D | sc D]    float32                              hca
 ========================  ===========================  ===================================  ===========
 
+[1] deepseek: the official bf16 KV caches' values: e4m3 x 2**k in the non-RoPE dims (the release
+:data:`~dspark_kernels.model.deepseek_numerics.KV_RELEASE`), bf16 in the RoPE dims.
+
 bf16 pools are held as float32 arrays of bf16-representable values (fast BLAS, exact widening), so the
-a2a3 contents equal what a bf16 pool would hold. A cache remembers the precision that writes it.
+a2a3 and deepseek contents equal what a bf16 pool would hold. A cache remembers the precision that writes it.
 
 ## ModelCaches
 

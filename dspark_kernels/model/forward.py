@@ -15,17 +15,16 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
-from dspark_kernels.model.backends import AttentionBackend
+from dspark_kernels.model.backends import AttentionBackend, HeadStages, head_stages
 from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
 from dspark_kernels.model.layer import AllGather, run_layer
 from dspark_kernels.model.numerics import Precision, check_precision
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.reference.attention import attend
-from dspark_kernels.reference.head import final_hidden, greedy, logits_for_rows, vocab_shard
-from dspark_kernels.reference.hyper_connections import hc_head
 
 
 @attrs.frozen(eq=False)
@@ -50,16 +49,17 @@ class ForwardResult:
     target_hidden: np.ndarray | None = None
 
 
-def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *, precision: Precision
-                    ) -> np.ndarray:
+def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *, precision: Precision,
+                    stages: HeadStages | None = None) -> np.ndarray:
     """One target layer's DSpark feature [T, D]: the model-level ``hc_head`` of the layer's output streams x_hc
     [T, hc, D] (after its FFN ``hc_post``), the value whose RMS norm feeds the LM head after the last layer.
 
     This is upstream pypto-lib's definition (``dspark_target_hidden`` of its prefill, slot order = the
     configured target layers); a mean of the hc streams, which one public vLLM fork returns, is another
-    reduction (docs/checkpoints.md section 6). Padding (zero) rows give zero rows.
+    reduction (docs/checkpoints.md section 6). Padding (zero) rows give zero rows. stages: the backend's head
+    stages (default the reference's).
     """
-    return hc_head(x_hc, head.hc, config, precision=precision)
+    return (head_stages(None) if stages is None else stages).hc_head(x_hc, head.hc, config, precision=precision)
 
 
 def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
@@ -98,6 +98,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
                              target_hidden=np.zeros((0, len(targets) * d), np.float32) if targets else None)
     plan = BatchPlan.build(batch, rank=rank, precision=prec)
     backend = attend if attention is None else attention
+    stages = head_stages(backend)  # the backend's head kernels, or the reference's
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
 
     if inputs.dtype.kind in "iu":
@@ -114,22 +115,22 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
                          attention=backend, prepared=cache)
         if features is not None and i in targets:
             k = targets[i]
-            features[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec)
+            features[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec, stages=stages)
         if on_layer is not None:
             on_layer(done, len(run))
 
-    hidden = final_hidden(x_hc, head, cfg, precision=prec)
+    hidden = stages.final_hidden(x_hc, head, cfg, precision=prec)
     if plan.rank is None or batch.tp_size == 1:
-        logits = logits_for_rows(hidden, rows, head.head)
+        logits = stages.logits_for_rows(hidden, rows, head.head)
     else:  # vocabulary shards, padded to equal width with -inf, gathered along the vocabulary
         assert all_gather is not None  # _check: a rank view of a TP group has one
-        width = -(-cfg.vocab_size // batch.tp_size)
+        width = vocab_shard_width(cfg.vocab_size, batch.tp_size)
         shard = np.full((rows.size, width), -np.inf, dtype=np.float32)
-        part = logits_for_rows(hidden, rows, head.head[vocab_shard(cfg.vocab_size, batch.tp_size, plan.rank)])
+        part = stages.logits_for_rows(hidden, rows, head.head[vocab_shard(cfg.vocab_size, batch.tp_size, plan.rank)])
         shard[:, : part.shape[1]] = part
         logits = np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, : cfg.vocab_size])
     return ForwardResult(x_hc=x_hc, hidden=hidden, logit_rows=rows.astype(np.int32), logits=logits,
-                         sampled=greedy(logits, rows), target_hidden=features)
+                         sampled=stages.greedy(logits, rows), target_hidden=features)
 
 
 def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,

@@ -1,4 +1,5 @@
-"""Compression geometry both backends share: the two compress ratios' roles, boundary rows and their windows.
+"""Geometry both backends share: the two compress ratios' roles, boundary rows and their windows, and the LM
+head's vocabulary shards under TP (:func:`vocab_shard`).
 
 A live token at position p closes a ratio-m window when ``(p + 1) % m == 0`` (it writes compressed entry
 ``j = (p + 1) / m - 1``, :func:`dspark_abi.layout.written_logical`); entry j's window starts at ``j * m``. The
@@ -66,3 +67,15 @@ def window_state_rows(positions: np.ndarray, request: np.ndarray, state_table: n
     b = boundary_rows(positions, request, ratio) if boundaries is None else np.asarray(boundaries, np.int64)
     pos = window_positions(np.asarray(positions, dtype=np.int64)[b], ratio)
     return b, physical_rows(state_table, np.asarray(request)[b], pos, page_size, ring=True)
+
+
+def vocab_shard_width(vocab: int, tp_size: int) -> int:
+    """Vocabulary rows of every LM-head shard but possibly the last: ``ceil(V / TP)``."""
+    return -(-vocab // tp_size)
+
+
+def vocab_shard(vocab: int, tp_size: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous vocabulary rows of the LM head: :func:`vocab_shard_width` each, the last shard
+    possibly shorter (or empty when ``V < (TP - 1) * width``)."""
+    width = vocab_shard_width(vocab, tp_size)
+    return slice(min(rank * width, vocab), min((rank + 1) * width, vocab))

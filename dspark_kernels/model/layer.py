@@ -1,8 +1,11 @@
 """One full DeepSeek-V4 layer over a packed batch, for the whole TP group or one rank's view (a plan).
 
     x_hc --hc_pre(attn)--> x_mixed --attn_norm--> x_n --attention--> attn_out --hc_post--> attn_stage
-    attn_stage --hc_pre(ffn)--> x_mixed --ffn_norm--> x_f --MoE--> ffn_out --hc_post--> x_next
+    attn_stage --hc_pre(ffn)--> x_mixed --MoE (ffn_norm, gate, experts)--> ffn_out --hc_post--> x_next
 
+attn_norm runs inside its hc_pre stage (``hc_pre(..., norm=...)``, :func:`~dspark_kernels.model.backends.hc_stages`),
+ffn_norm inside the MoE stage (``moe(x_mixed, ..., norm=...)``, :func:`~dspark_kernels.model.backends.moe_stage`:
+the a2a3 kernels defer it into the gate, as upstream's do).
 Shapes: x_hc, attn_stage, x_next [P, hc, D] fp32; x_n, x_f, attn_out, ffn_out [P, D] (bf16 values in a2a3 mode).
 Padding rows (request -1) are zero in ``x_hc`` and stay zero: hc_pre/norms map zero to zero, attention returns
 zero rows and writes nothing for them, and the MoE skips them.
@@ -19,14 +22,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dspark_kernels.model.backends import AttentionBackend, hc_stages
+from dspark_kernels.model.backends import AttentionBackend, hc_stages, moe_stage
 from dspark_kernels.model.caches import LayerCaches
-from dspark_kernels.model.numerics import narrow, rms_norm
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeightsCache, prepared_for
 from dspark_kernels.model.weights import LayerWeights
 from dspark_kernels.reference.attention import attend
-from dspark_kernels.reference.moe import moe
 
 #: ``all_gather(local [L, ...]) -> [TP * L, ...]``: rank-major concatenation of every rank's rows.
 AllGather = Callable[[np.ndarray], np.ndarray]
@@ -49,16 +50,17 @@ def run_layer(plan: BatchPlan, layer: int, x_hc: np.ndarray, weights: LayerWeigh
     live = plan.query_request >= 0                                                # (L,) or (P,)
     attn_weights = prepared_for(weights.attn, precision, prepared)
     hc_pre, hc_post = hc_stages(attention)      # the backend's hyper-connection kernels, or the reference's
+    moe = moe_stage(attention)                  # the backend's MoE kernels, or the reference's
 
-    attn_pre = hc_pre(x_hc, weights.hc_attn, cfg, precision=precision)
-    x_n = narrow(rms_norm(attn_pre.x_mixed, weights.attn_norm, cfg.rms_norm_eps), precision)  # (P, D)
+    attn_pre = hc_pre(x_hc, weights.hc_attn, cfg, precision=precision, norm=weights.attn_norm)
+    x_n = attn_pre.x_normed                                  # (P, D): narrow(rms_norm(x_mixed, attn_norm)), fused
     attn_out = gather(attention(plan, layer, x_n, attn_weights, caches))
     attn_stage = hc_post(attn_out, x_hc, attn_pre.post, attn_pre.comb, precision=precision)  # (P, hc, D)
 
     ffn_pre = hc_pre(attn_stage, weights.hc_ffn, cfg, precision=precision)
-    x_f = narrow(rms_norm(ffn_pre.x_mixed[rows], weights.ffn_norm, cfg.rms_norm_eps), precision)  # (L, D)
     ids = None if token_ids is None else token_ids[rows]
-    ffn_out = gather(moe(x_f, weights.moe, cfg, token_ids=ids, live=live, precision=precision))
+    ffn_out = gather(moe(ffn_pre.x_mixed[rows], weights.moe, cfg, norm=weights.ffn_norm, token_ids=ids, live=live,
+                         precision=precision))                                # (L, D); the MoE applies ffn_norm
     return hc_post(ffn_out, attn_stage, ffn_pre.post, ffn_pre.comb, precision=precision)
 
 

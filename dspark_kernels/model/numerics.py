@@ -2,13 +2,37 @@
 quantisation, products, RMSNorm and the Sylvester Hadamard matrix (the numpy definition; the pypto kernels
 mirror it op for op in :mod:`dspark_kernels.pypto._ops`).
 
-Two precisions exist:
+Three precisions exist:
 
 * ``"fp32"`` (the default): DeepSeek's exact meaning. Every value stays float32, nothing is quantised.
 * ``"a2a3"``: the numerics of the a2a3 kernels (upstream's golden references): bf16 activations and caches,
   int8 projections with per-row symmetric scales, fp32 accumulation. bf16 values are held in float32
   arrays whose values are exactly representable in bf16 (round to nearest even), and int8 values in
   float32 or int8 arrays holding integers in [-127, 127].
+* ``"deepseek"``: what DeepSeek's official inference (``inference/model.py`` + ``kernel.py``, bf16 default dtype,
+  FP8 checkpoint) computes, held the same way (float32 arrays of bf16 / e4m3 / e2m1 values). Its narrowing
+  points, in the official order (:mod:`dspark_kernels.model.deepseek_numerics` holds the quantisers):
+
+  - bf16: the residual streams after every ``hc_post``, ``x_mixed`` of ``hc_pre`` / ``hc_head``, every RMSNorm
+    output (attn/ffn/q/kv/compressor/final norms), every Linear output except the fp32 ones below, q and kv
+    after RoPE (rotation in fp32), the per-head q RMS (computed in bf16 ops: square, mean, ``+ eps``, rsqrt,
+    product each rounded), the pooled compressor entry before its norm, the indexer head weights
+    (``bf16(bf16(x weights_proj) * scale)``) and its scores (``q.k``, ``* w``, sum over heads, each rounded),
+    the attention probabilities before PV and the attention output before and after the inverse RoPE, the
+    routed / shared experts' ``w * silu * up`` before ``w2`` and the MoE output;
+  - FP8 e4m3 fake quant (blocks of 64, power-of-two scale) of the non-RoPE dims of window and compressed KV,
+    following the release :data:`~dspark_kernels.model.deepseek_numerics.KV_RELEASE`;
+  - Hadamard rotation (bf16 out) then FP4 e2m1 fake quant (blocks of 32, power-of-two scale) of the indexer
+    queries and compressed indexer keys;
+  - e4m3 quantisation per 1x128 block (power-of-two scale) of the input of every Linear the checkpoint ships
+    as FP8 or FP4 (``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, ``indexer.wq_b``, shared and routed experts), then a
+    product with the weights as given, i.e. the FP8 / FP4 GEMM up to fp32 summation order;
+  - fp32 throughout: the compressor projections, state and pooling, the gate, hc_pre / hc_post / hc_head
+    arithmetic, RoPE tables, attention logits, max and sums, the LM head.
+
+  Weights are used as given in ``"deepseek"``: a real checkpoint's tensors already hold what the official model
+  holds (bf16 tensors bf16 values; FP8 / FP4 tensors, dequantised, e4m3 / e2m1 values times powers of two, which
+  bf16 also represents exactly; ``wo_a`` is dequantised into bf16 by ``convert.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +43,10 @@ from typing import Literal, get_args
 import ml_dtypes
 import numpy as np
 
-Precision = Literal["fp32", "a2a3"]
+Precision = Literal["fp32", "a2a3", "deepseek"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+#: The precisions whose activations and caches hold bf16 values (:func:`narrow` rounds in them).
+BF16_PRECISIONS: tuple[Precision, ...] = ("a2a3", "deepseek")
 
 #: Floor of the absolute maximum before symmetric int8 scaling: per row in upstream's ``int8q``, per channel
 #: in pypto-lib's W8A8 weights (``INT8_AMAX_EPS``, :func:`dspark_kernels.model.quant.quant_int8_channels`).
@@ -55,8 +81,9 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 
 def narrow(x: np.ndarray, precision: Precision) -> np.ndarray:
-    """A bf16 narrowing point of the a2a3 kernels: bf16-round in ``"a2a3"``, identity in ``"fp32"``."""
-    return bf16_round(x) if precision == "a2a3" else x
+    """A bf16 narrowing point of the a2a3 kernels and of the official inference: bf16-round in the
+    :data:`BF16_PRECISIONS`, identity in ``"fp32"``. (A point only one of them has tests the precision itself.)"""
+    return bf16_round(x) if precision in BF16_PRECISIONS else x
 
 
 def int8_quantize(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,13 +1,15 @@
 """The weight arrays each precision computes with, derived from an `AttentionWeights`, and the cache of them
 that the caller of a forward (or of one attention call) owns.
 
-``"fp32"``: the checkpoint's float32 arrays unchanged; no scales.
+``"fp32"`` and ``"deepseek"``: the checkpoint's float32 arrays unchanged; no scales (``"deepseek"`` quantises
+activations, never weights: :mod:`dspark_kernels.model.deepseek_numerics`).
 ``"a2a3"``: the dtypes of upstream's a2a3 kernels (their prefill entry's tensor list):
 
 * bf16 (bf16-rounded float32): ``wq_a``, ``q_norm``, ``wkv``, ``kv_norm``, ``wo_a``, compressor ``wkv``/``wgate``/
   ``norm``, indexer ``weights_proj``, and the Hadamard matrix;
 * int8 per output channel (integer-valued float32 + [out] float32 dequant scale, the ``int8q`` recipe over
-  each [out, in] row): ``wq_b``, ``indexer.wq_b``, ``wo_b``;
+  each [out, in] row, or the checkpoint's own int8 values and scales when it stores them so,
+  ``AttentionWeights.stored_int8``): ``wq_b``, ``indexer.wq_b``, ``wo_b``;
 * fp32: ``attn_sink`` and the compressor ``ape`` biases.
 """
 
@@ -19,7 +21,7 @@ import attrs
 import numpy as np
 
 from dspark_kernels.model.attention_weights import AttentionWeights, CompressorWeights
-from dspark_kernels.model.numerics import Precision, check_precision, hadamard, int8_quantize, narrow
+from dspark_kernels.model.numerics import Precision, bf16_round, check_precision, hadamard, int8_quantize
 
 #: A compressor's arrays in one precision: the same fields as the checkpoint's, with narrowed weights.
 PreparedCompressor = CompressorWeights
@@ -59,11 +61,17 @@ class PreparedWeights:
     """[dI, dI] Sylvester Hadamard / sqrt(dI) (bf16-rounded in a2a3); CSA only"""
 
 
+def _weight(w: np.ndarray, precision: Precision) -> np.ndarray:
+    """A weight the a2a3 kernels read in bf16: bf16-rounded in ``"a2a3"``; ``"fp32"`` and ``"deepseek"`` use it as
+    given (a real checkpoint's values are already what the official inference holds)."""
+    return bf16_round(w) if precision == "a2a3" else w
+
+
 def _compressor(cw: CompressorWeights | None, precision: Precision) -> PreparedCompressor | None:
     if cw is None:
         return None
-    return PreparedCompressor(narrow(cw.wkv, precision), narrow(cw.wgate, precision), cw.ape,
-                              narrow(cw.norm, precision))
+    return PreparedCompressor(_weight(cw.wkv, precision), _weight(cw.wgate, precision), cw.ape,
+                              _weight(cw.norm, precision))
 
 
 def _int8_or_float(w: np.ndarray, precision: Precision, stored: tuple[np.ndarray, np.ndarray] | None
@@ -82,16 +90,16 @@ def prepare_weights(weights: AttentionWeights, precision: str) -> PreparedWeight
     stored = weights.stored_int8
     wq_b, wq_b_scale = _int8_or_float(weights.wq_b, prec, stored.get("wq_b.weight"))
     wo_b, wo_b_scale = _int8_or_float(weights.wo_b, prec, stored.get("wo_b.weight"))
-    wo_a = narrow(weights.wo_a, prec).reshape(c.o_groups, c.o_lora_rank, -1)   # (G, Ro, H*D/G)
+    wo_a = _weight(weights.wo_a, prec).reshape(c.o_groups, c.o_lora_rank, -1)   # (G, Ro, H*D/G)
     idx = weights.indexer
     idx_wq_b = idx_scale = idx_proj = idx_h = None
     if idx is not None:
         idx_wq_b, idx_scale = _int8_or_float(idx.wq_b, prec, stored.get("indexer.wq_b.weight"))
-        idx_proj = narrow(idx.weights_proj, prec)
-        idx_h = narrow(hadamard(c.index_head_dim), prec)
+        idx_proj = _weight(idx.weights_proj, prec)
+        idx_h = _weight(hadamard(c.index_head_dim), prec)
     return PreparedWeights(
-        precision=prec, wq_a=narrow(weights.wq_a, prec), q_norm=narrow(weights.q_norm, prec),
-        wq_b=wq_b, wq_b_scale=wq_b_scale, wkv=narrow(weights.wkv, prec), kv_norm=narrow(weights.kv_norm, prec),
+        precision=prec, wq_a=_weight(weights.wq_a, prec), q_norm=_weight(weights.q_norm, prec),
+        wq_b=wq_b, wq_b_scale=wq_b_scale, wkv=_weight(weights.wkv, prec), kv_norm=_weight(weights.kv_norm, prec),
         wo_a=wo_a, wo_b=wo_b, wo_b_scale=wo_b_scale, attn_sink=weights.attn_sink,
         compressor=_compressor(weights.compressor, prec), idx_wq_b=idx_wq_b, idx_wq_b_scale=idx_scale,
         idx_weights_proj=idx_proj, idx_compressor=_compressor(idx.compressor if idx else None, prec),

@@ -8,7 +8,9 @@ Frequencies per layer kind:
   ``original_max_position_embeddings > 0`` (regardless of the sequence length), none otherwise.
 
 Angles ``position * omega`` are computed in float32 at the positions a call needs (O(positions x rd/2), never
-a table over all 1,048,576 positions). In ``"a2a3"`` precision cos/sin are bf16, as the kernels receive them.
+a table over all 1,048,576 positions). In ``"a2a3"`` precision cos/sin are bf16, as the kernels receive them;
+in ``"deepseek"`` they stay float32, as the official ``precompute_freqs_cis`` (``torch.polar`` over fp32 angles)
+builds them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 
 from dspark_abi.config import LayerKind, ModelConfig
-from dspark_kernels.model.numerics import Precision, narrow
+from dspark_kernels.model.numerics import Precision, bf16_round
 
 
 def inverse_frequencies(config: ModelConfig, kind: LayerKind) -> np.ndarray:
@@ -59,7 +61,8 @@ def rope_at(config: ModelConfig, kind: LayerKind, positions: np.ndarray,
     exact in float32, so the angle is the same float32 product a table row would hold.
     """
     angles = np.asarray(positions, dtype=np.int64).astype(np.float32)[..., None] * _omega(config, kind)
-    return narrow(np.cos(angles), precision), narrow(np.sin(angles), precision)
+    cos, sin = np.cos(angles), np.sin(angles)
+    return (bf16_round(cos), bf16_round(sin)) if precision == "a2a3" else (cos, sin)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, inverse: bool = False,

@@ -2,9 +2,10 @@
 
 :func:`write_checkpoint` writes a folder a real download looks like: ``config.json`` (the Hugging Face keys,
 with ``quantization_config``), one safetensors shard for the globals and one per layer, and
-``model.safetensors.index.json``. Every tensor is stored as :func:`~dspark_kernels.model.checkpoint_format.model_formats`
-says the official checkpoint ships it: FP8 e4m3 projections with ue8m0 128x128 block scales, FP4 (e2m1, two per
-byte) routed experts with ue8m0 1x32 scales, BF16 / F32 floats, I32 ``tid2eid``.
+``model.safetensors.index.json``. Every tensor is stored as
+:func:`~dspark_kernels.model.checkpoint_format.model_formats` says the official checkpoint ships it: FP8 e4m3
+projections with ue8m0 128x128 block scales, FP4 (e2m1, two per byte) routed experts with ue8m0 1x32 scales,
+BF16 / F32 floats, I32 ``tid2eid``.
 
 Values are deterministic per tensor name (``seed``): floats and FP8 projections are the random weights of
 :meth:`ModelWeights.random <dspark_kernels.model.weights.ModelWeights.random>` encoded in the stored format;
@@ -74,7 +75,7 @@ def write_safetensors(path: str | Path, entries: Iterable[Entry], metadata: dict
             data = np.ascontiguousarray(e.produce())
             if data.nbytes != e.nbytes or _CODES.get(data.dtype) not in (e.code, None):
                 raise ValueError(f"{e.name}: producer gave {data.dtype} {data.shape}, header says {e.code} {e.shape}")
-            fh.write(memoryview(data.reshape(-1).view(np.uint8)))
+            fh.write(data.reshape(-1).view(np.uint8).data)  # bytes view: ml_dtypes have no buffer format
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -117,7 +118,8 @@ def tensor_entries(source: RandomSource, fmt: TensorFormat, seed: int) -> list[E
 
     def part(i: int) -> np.ndarray:   # the weight and its scale come from one encoding, made when first written
         if not encoded:
-            encoded["q"] = quant.quant_fp8_blocks(values(), scale_dtype="ue8m0" if scale_code == "F8_E8M0" else "float32")
+            encoded["q"] = quant.quant_fp8_blocks(values(), scale_dtype="ue8m0" if scale_code == "F8_E8M0"
+                                                  else "float32")
         q, s = encoded["q"]
         if i == 1:
             encoded.clear()
@@ -125,7 +127,7 @@ def tensor_entries(source: RandomSource, fmt: TensorFormat, seed: int) -> list[E
 
     base = fmt.name.removesuffix(".weight")
     return [Entry(fmt.name, "F8_E4M3", fmt.shape, lambda: part(0)),
-            Entry(base + ".scale", scale_code, quant.fp8_scale_shape(fmt.shape), lambda: part(1))]
+            Entry(base + ".scale", scale_code, quant.fp8_scale_shape((fmt.shape[0], fmt.shape[1])), lambda: part(1))]
 
 
 def short_schedule(config: ModelConfig, ratios: tuple[int, ...] = (0, 4, 128), *, hash_layers: int = 1,

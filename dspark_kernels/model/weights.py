@@ -134,7 +134,8 @@ class ModelWeights:
 
     ``layer(i)`` reads layer i's tensors when it is asked for (a forward asks when the layer runs);
     with ``keep_layers`` the result is kept for later calls, otherwise it is rebuilt each time and its routed
-    experts are read one at a time as the MoE reaches them (streaming, for models larger than memory). Build with :meth:`random`, :meth:`from_safetensors` or :meth:`from_tensors`.
+    experts are read one at a time as the MoE reaches them (streaming, for models larger than memory).
+    Build with :meth:`random`, :meth:`from_safetensors` or :meth:`from_tensors`.
     """
 
     def __init__(self, config: ModelConfig, source: Any, *, keep_layers: bool = True):
@@ -275,7 +276,7 @@ class ModelWeights:
             return None
         return next((lw for j, lw in self._layers.items() if src.layer_key(j) == src.layer_key(i)), None)
 
-    def _experts(self, i: int) -> dict[str, np.ndarray | ExpertStack]:
+    def _experts(self, i: int) -> Mapping[str, np.ndarray | ExpertStack]:
         """``w1``/``w2``/``w3`` [E, ...] of layer i: stacked arrays when layers are kept (shared between layers
         under ``share_layers``), else :class:`ExpertStack` s that read one expert when the MoE asks for it."""
         src, p, m = self._source, f"layers.{i}.ffn.experts.", self.config.moe
@@ -289,12 +290,11 @@ class ModelWeights:
         shared = isinstance(src, RandomSource) and src.share_layers
         if shared and self._stacked is not None:
             return self._stacked
-        out: dict[str, np.ndarray | ExpertStack] = {
-            w: np.stack([self.tensor(f"{p}{e}.{w}.weight") for e in range(m.n_routed_experts)])
-            for w in ("w1", "w2", "w3")}
+        stacked = {w: np.stack([self.tensor(f"{p}{e}.{w}.weight") for e in range(m.n_routed_experts)])
+                   for w in ("w1", "w2", "w3")}
         if shared:
-            self._stacked = out  # type: ignore[assignment]
-        return out
+            self._stacked = stacked
+        return stacked
 
     def _read_layer(self, i: int) -> LayerWeights:
         c, t, p = self.config, self.tensor, f"layers.{i}."
@@ -312,7 +312,7 @@ class ModelWeights:
             raise ABIError([Issue("config.mismatch", p + "ffn.gate.tid2eid", "expert ids must lie in [0, E)",
                                   expected=f"[0, {e_count})", actual=[int(tid2eid.min()), int(tid2eid.max())])])
         moe = MoEWeights(gate_w=t(p + "ffn.gate.weight"), gate_bias=None if hash_layer else t(p + "ffn.gate.bias"),
-                         tid2eid=tid2eid, w1=stack["w1"], w2=stack["w2"], w3=stack["w3"],  # type: ignore[arg-type]
+                         tid2eid=tid2eid, w1=stack["w1"], w2=stack["w2"], w3=stack["w3"],
                          shared_w1=shared["w1"], shared_w2=shared["w2"], shared_w3=shared["w3"])
 
         def hc(which: str) -> HcWeights:

@@ -37,7 +37,7 @@ from dspark_abi import ModelConfig, PackedBatch
 from dspark_abi.pools import TABLE_FIELDS
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
-from dspark_kernels.model.block_weights import HcWeights
+from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
 from dspark_kernels.model.geometry import INDEX_RATIO
@@ -94,11 +94,13 @@ class PyptoAttention:
         return out
 
     # the layer's hyper-connection stages (model.backends.HyperConnectionStages), through the pypto kernels
-    def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: str) -> HcMix:
-        """The reference's ``hc_pre`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.hyper_connections`."""
+    def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: str,
+               norm: np.ndarray | None = None) -> HcMix:
+        """The reference's ``hc_pre`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.hyper_connections`;
+        with ``norm`` [D] the sub-block's RMSNorm of ``x_mixed`` is fused into the kernel (``x_normed``)."""
         _check_precision(precision)
         run = run_isolated if self.isolate else _direct
-        return HcMix(*run(_hc_pre, x_hc, weights, config))
+        return HcMix(*run(_hc_pre, x_hc, weights, config, norm))
 
     def hc_post(self, out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray, *, precision: str
                 ) -> np.ndarray:
@@ -108,15 +110,51 @@ class PyptoAttention:
         result: np.ndarray = run(_hc_post, out, x_hc, post, comb)
         return result
 
+    # the head's stages (model.backends.HeadStages), through the pypto kernels of .hyper_connections and .head
+    def hc_head(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: str) -> np.ndarray:
+        """The reference's ``hc_head`` in a2a3 numerics (the DSpark target features): [T, D] fp32 (bf16 values)."""
+        _check_precision(precision)
+        return self._run(_hc_head, x_hc, weights, config)
+
+    def final_hidden(self, x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *, precision: str
+                     ) -> np.ndarray:
+        """The reference's ``final_hidden`` (hc_head + final RMSNorm) in a2a3 numerics: [T, D] fp32 (bf16 values)."""
+        _check_precision(precision)
+        return self._run(_final_hidden, x_hc, weights, config)
+
+    def logits_for_rows(self, x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
+        """The reference's ``logits_for_rows`` (``head_w``: the whole head or this rank's vocabulary shard)."""
+        return self._run(_logits_for_rows, x_out, rows, head_w)
+
+    def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """The reference's ``greedy``: [M] int64 first-maximum ids, -1 on inactive rows."""
+        return self._run(_greedy, logits, rows)
+
+    # the layer's MoE FFN (model.backends.MoEStage), through the pypto kernels of .moe
+    def moe(self, x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np.ndarray | None = None,
+            token_ids: np.ndarray | None = None, live: np.ndarray | None = None, precision: str) -> np.ndarray:
+        """The reference's ``moe`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.moe`: its gate and experts
+        kernels run in child processes (when isolated); the grouping by expert and the experts' int8 weights are
+        prepared in this process, so only arrays travel."""
+        _check_precision(precision)
+        from dspark_kernels.pypto.moe import moe
+
+        return moe(x, weights, config, norm=norm, token_ids=token_ids, live=live,
+                   run=run_isolated if self.isolate else None)
+
+    def _run(self, func: Callable[..., np.ndarray], *args: object) -> np.ndarray:
+        return run_isolated(func, *args) if self.isolate else func(*args)
+
 
 @attrs.frozen
 class HcMix:
     """hc_pre's outputs (the reference's ``HcPre`` fields): x_mixed [T, D] fp32 holding bf16 values, post [T, hc],
-    comb [T, hc, hc]."""
+    comb [T, hc, hc]; x_normed [T, D] fp32 (bf16 values), the fused RMSNorm when hc_pre was given a ``norm``."""
 
     x_mixed: np.ndarray
     post: np.ndarray
     comb: np.ndarray
+    x_normed: np.ndarray | None = None
 
 
 def _check_precision(precision: str) -> None:
@@ -128,18 +166,43 @@ def _direct(func: Callable[..., T], *args: object) -> T:
     return func(*args)
 
 
-def _hc_pre(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _hc_pre(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, norm: np.ndarray | None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """In the kernel process: hc_pre's arrays (plain arrays travel back; the kernel module stays in the child)."""
     from dspark_kernels.pypto.hyper_connections import hc_pre
 
-    result = hc_pre(x_hc, weights, config)
-    return result.x_mixed, result.post, result.comb
+    result = hc_pre(x_hc, weights, config, norm=norm)
+    return result.x_mixed, result.post, result.comb, result.x_normed
 
 
 def _hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
     from dspark_kernels.pypto.hyper_connections import hc_post
 
     return hc_post(out, x_hc, post, comb)
+
+
+def _hc_head(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig) -> np.ndarray:
+    from dspark_kernels.pypto.hyper_connections import hc_head
+
+    return hc_head(x_hc, weights, config)
+
+
+def _final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig) -> np.ndarray:
+    from dspark_kernels.pypto.head import final_hidden
+
+    return final_hidden(x_hc, weights, config)
+
+
+def _logits_for_rows(x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
+    from dspark_kernels.pypto.head import logits_for_rows
+
+    return logits_for_rows(x_out, rows, head_w)
+
+
+def _greedy(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    from dspark_kernels.pypto.head import greedy
+
+    return greedy(logits, rows)
 
 
 

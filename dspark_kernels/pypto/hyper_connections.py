@@ -51,6 +51,7 @@ import numpy as np
 
 from dspark_abi.config import ModelConfig
 from dspark_kernels.model.numerics import CUBE_MAD_K, HC_K_SPLITS, RMS_CHUNK
+from dspark_kernels.pypto._ops import rms_norm
 from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto, run_mode
 
 BF16 = ml_dtypes.bfloat16
@@ -110,6 +111,32 @@ def _fold_halves(v: Any, rows: int, width: int) -> Any:
         width //= 2
         v = pypto.add(pypto.view(v, [rows, width], [0, 0]), pypto.view(v, [rows, width], [0, width]))
     return v
+
+
+def _inv_rms(x: Any, rows: int, kp: int, k: int, norm_eps: float) -> Any:
+    """``1 / sqrt(ssq * (1/k) + eps)`` of x [T, Kp] fp32 (zero-padded): [T, 1]. Sum of squares: halving folds
+    inside each :data:`RMS_CHUNK`-column chunk, chunk sums added in ascending order."""
+    ssq = None
+    for c in range(kp // RMS_CHUNK):
+        chunk = pypto.view(x, [rows, RMS_CHUNK], [0, c * RMS_CHUNK])
+        part = _fold_halves(pypto.mul(chunk, chunk), rows, RMS_CHUNK)                     # [T, 1]
+        ssq = part if ssq is None else pypto.add(ssq, part)
+    mean_sq = pypto.add(pypto.mul(ssq, 1.0 / k), norm_eps)
+    return pypto.div(pypto.full(mean_sq.shape, 1.0, pypto.DT_FP32), pypto.sqrt(mean_sq))
+
+
+def _sigmoid(z: Any) -> Any:
+    """The a2a3 kernels' logistic function ``1 / (1 + exp(-z))`` (fp32)."""
+    return pypto.div(pypto.full(z.shape, 1.0, pypto.DT_FP32), pypto.add(pypto.exp(pypto.neg(z)), 1.0))
+
+
+def bf16_then_norm(v: Any, weight: Any, eps: float) -> Any:
+    """``rms(bf16(v), weight)`` in fp32: the RMSNorm of a bf16 narrowing point (x_mixed, the hc_head output).
+
+    v: [T, X] fp32; weight: [1, X] fp32. The bf16 value is formed by its own cast (pypto 0.2.0 cannot cast a
+    tensor that is also stored to an output), so a kernel may store ``cast(v, BF16)`` besides.
+    """
+    return rms_norm(pypto.cast(pypto.cast(v, pypto.DT_BF16), pypto.DT_FP32), weight, eps)
 
 
 def _butterfly(v: Any, perms: Any, first: int, count: int, width: int, op: Any) -> Any:
@@ -174,20 +201,14 @@ def hc_pre_kernel(rows: int, hc: int, hidden: int, mix_rows: int, k_step: int, e
     def hc_pre(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
                x: pypto.Tensor([rows, kp], pypto.DT_FP32), fn: pypto.Tensor([mp, kp], pypto.DT_FP32),
                scale: pypto.Tensor([1, mp], pypto.DT_FP32), base: pypto.Tensor([1, mp], pypto.DT_FP32),
-               perms: pypto.Tensor([n_perm], pypto.DT_INT32),
+               perms: pypto.Tensor([n_perm], pypto.DT_INT32), norm_w: pypto.Tensor([1, hidden], pypto.DT_FP32),
+               x_normed: pypto.Tensor([rows, hidden], pypto.DT_BF16),
                x_mixed: pypto.Tensor([rows, hidden], pypto.DT_BF16), post: pypto.Tensor([rows, hc], pypto.DT_FP32),
                comb: pypto.Tensor([rows, width], pypto.DT_FP32)):
         _sizes = (rows, kp, mp, n_perm, hidden, hc, width)  # closure capture: the annotations read these
         pypto.set_cube_tile_shapes([tm, tm], [tk, CUBE_L1_STEPS * tk], [mp, mp])
         pypto.set_vec_tile_shapes(VEC_ROWS, VEC_COLS)
-        # sum of squares: halving folds inside each 512-column chunk, chunks in ascending order
-        ssq = None
-        for c in range(kp // RMS_CHUNK):
-            chunk = pypto.view(x, [rows, RMS_CHUNK], [0, c * RMS_CHUNK])
-            part = _fold_halves(pypto.mul(chunk, chunk), rows, RMS_CHUNK)                 # [T, 1]
-            ssq = part if ssq is None else pypto.add(ssq, part)
-        mean_sq = pypto.add(pypto.mul(ssq, 1.0 / k), norm_eps)
-        rho = pypto.div(pypto.full(mean_sq.shape, 1.0, pypto.DT_FP32), pypto.sqrt(mean_sq))   # [T, 1]
+        rho = _inv_rms(x, rows, kp, k, norm_eps)                                           # [T, 1]
         # mix: one accumulator chain per K slice, slices added in ascending order
         partials = []
         for s in range(HC_K_SPLITS):
@@ -206,13 +227,16 @@ def hc_pre_kernel(rows: int, hc: int, hidden: int, mix_rows: int, k_step: int, e
             mixes = pypto.add(mixes, part)
         z = pypto.add(pypto.mul(pypto.mul(mixes, rho), scale), base)                      # [T, Mp]
         gates = pypto.view(z, [rows, 2 * hc], [0, 0])
-        sig = pypto.div(pypto.full(gates.shape, 1.0, pypto.DT_FP32), pypto.add(pypto.exp(pypto.neg(gates)), 1.0))
+        sig = _sigmoid(gates)
         pre = pypto.add(pypto.view(sig, [rows, hc], [0, 0]), eps)
         post_t = pypto.mul(pypto.view(sig, [rows, hc], [0, hc]), 2.0)
         # Sinkhorn on the flattened [T, hc*hc] comb: butterflies give every lane its row / column tree sum
         cmb = _sinkhorn(pypto.view(z, [rows, width], [0, 2 * hc]), perms, bits, width, eps, iters)
         # stream mix: (y0 + y1) + (y2 + y3), bf16
-        x_mixed[:] = pypto.cast(_stream_mix(x, pre, rows, hc, hidden), pypto.DT_BF16)
+        mixed = _stream_mix(x, pre, rows, hc, hidden)
+        # the sub-block's RMSNorm (attn_norm / ffn_norm) of the bf16 x_mixed, fused: bf16(rms(bf16(mixed), w))
+        x_normed[:] = pypto.cast(bf16_then_norm(mixed, norm_w, norm_eps), pypto.DT_BF16)
+        x_mixed[:] = pypto.cast(mixed, pypto.DT_BF16)
         post[:] = post_t
         comb[:] = cmb
 
@@ -242,6 +266,95 @@ def hc_post_kernel(rows: int, hc: int, hidden: int) -> Any:
     return hc_post
 
 
+def hc_head_rows(x: Any, fn: Any, scale: Any, base: Any, *, rows: int, hc: int, hidden: int, eps: float,
+                 norm_eps: float) -> Any:
+    """Traced: the head's stream reduction ``sum_h pre[:, h] * x[:, h]`` [T, X] fp32 (before its bf16 narrowing).
+
+    x [T, Kp] fp32 and fn [Hp, Kp] fp32 (zero-padded, :func:`hc_head_args`), scale / base [1, Hp]. ``pre =
+    sigmoid((x @ fn.T) * rho * scale + base) + eps`` with ``rho`` from :func:`_inv_rms`; the caller sets the tiles
+    (:func:`set_hc_head_tiles`).
+    """
+    rho = _inv_rms(x, rows, x.shape[1], hc * hidden, norm_eps)                               # [T, 1]
+    mixes = pypto.matmul(x, fn, pypto.DT_FP32, b_trans=True)                                 # [T, Hp]
+    z = pypto.add(pypto.mul(pypto.mul(mixes, rho), scale), base)
+    pre = pypto.add(_sigmoid(pypto.view(z, [rows, hc], [0, 0])), eps)                         # [T, hc]
+    return _stream_mix(x, pre, rows, hc, hidden)
+
+
+def set_hc_head_tiles(mix_cols: int) -> None:
+    """Traced: tiles of :func:`hc_head_rows` (fp32 cube operands as hc_pre's mix, N = the Hp mix columns)."""
+    pypto.set_cube_tile_shapes([CUBE_TM, CUBE_TM], [CUBE_TK, CUBE_L1_STEPS * CUBE_TK], [mix_cols, mix_cols])
+    pypto.set_vec_tile_shapes(VEC_ROWS, VEC_COLS)
+
+
+@lru_cache(maxsize=16)
+def hc_head_kernel(rows: int, hc: int, hidden: int, eps: float, norm_eps: float) -> Any:
+    """The hc_head jit kernel for one geometry: y [T, X] bf16 (module docstring of :func:`run_hc_head`)."""
+    kp, hp = hc_head_layout(hc, hidden)
+
+    @kernel
+    def hc_head(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+                x: pypto.Tensor([rows, kp], pypto.DT_FP32), fn: pypto.Tensor([hp, kp], pypto.DT_FP32),
+                scale: pypto.Tensor([1, hp], pypto.DT_FP32), base: pypto.Tensor([1, hp], pypto.DT_FP32),
+                y: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
+        _sizes = (rows, kp, hp, hidden)  # closure capture: the annotations read these
+        set_hc_head_tiles(hp)
+        y[:] = pypto.cast(hc_head_rows(x, fn, scale, base, rows=rows, hc=hc, hidden=hidden, eps=eps,
+                                       norm_eps=norm_eps), pypto.DT_BF16)
+
+    return hc_head
+
+
+def hc_head_layout(hc: int, hidden: int) -> tuple[int, int]:
+    """(Kp, Hp) of the head's padded inputs: K = hc*X rounded up to :data:`RMS_CHUNK` columns, the hc mix rows
+    to :data:`MIX_ALIGN`."""
+    return padded_width(hc * hidden), -(-hc // MIX_ALIGN) * MIX_ALIGN
+
+
+def hc_head_args(x_hc: np.ndarray, weights: HcMixer) -> list[np.ndarray]:
+    """The zero-padded inputs (x [T, Kp], fn [Hp, Kp], scale [1, Hp], base [1, Hp]) of :func:`hc_head_rows`.
+
+    x_hc: [T, hc, X] fp32; weights: the head mixer (fn [hc, hc*X], scale [1], base [hc]). ValueError when the
+    shapes disagree.
+    """
+    x_hc = np.asarray(x_hc, dtype=np.float32)
+    rows, hc, hidden = x_hc.shape
+    fn = np.asarray(weights.fn, dtype=np.float32)
+    k = hc * hidden
+    if fn.shape != (hc, k) or np.size(weights.base) != hc or np.size(weights.scale) < 1:
+        raise ValueError(f"the head mixer (fn {fn.shape}, scale {np.shape(weights.scale)}, base "
+                         f"{np.shape(weights.base)}) does not match x_hc {x_hc.shape}: want fn [{hc}, {k}], "
+                         f"scale [1], base [{hc}]")
+    kp, hp = hc_head_layout(hc, hidden)
+    x_p = np.zeros((rows, kp), np.float32)
+    x_p[:, :k] = x_hc.reshape(rows, k)
+    fn_p = np.zeros((hp, kp), np.float32)
+    fn_p[:hc, :k] = fn
+    scale_p = np.zeros((1, hp), np.float32)
+    scale_p[0, :hc] = np.asarray(weights.scale, np.float32).reshape(-1)[0]
+    base_p = np.zeros((1, hp), np.float32)
+    base_p[0, :hc] = np.asarray(weights.base, np.float32)
+    return [x_p, fn_p, scale_p, base_p]
+
+
+def run_hc_head(x_hc: np.ndarray, weights: HcMixer, *, eps: float, norm_eps: float) -> LaunchResult:
+    """hc_head on numpy arrays; ``values[-1]`` = y [T, X] bf16.
+
+    x_hc: [T, hc, X] fp32 (padding rows zero give zero rows); weights: the head mixer (``HcWeights`` with fn
+    [hc, hc*X], scale [1], base [hc]); eps: ``hc_eps``; norm_eps: ``rms_norm_eps`` (the mix's RMS).
+    """
+    rows, hc, hidden = np.shape(x_hc)
+    jit = hc_head_kernel(rows, hc, hidden, float(eps), float(norm_eps))
+    return launch(jit, [*hc_head_args(x_hc, weights), Out((rows, hidden), BF16, "y")])
+
+
+def hc_head(x_hc: np.ndarray, weights: HcMixer, config: ModelConfig) -> np.ndarray:
+    """The reference's ``hc_head(x_hc, weights, config, precision="a2a3")`` through the kernel: [T, X] fp32
+    holding bf16 values."""
+    y = run_hc_head(x_hc, weights, eps=config.hc_eps, norm_eps=config.rms_norm_eps).values[-1]
+    return y.astype(np.float32)
+
+
 def _mix_columns(values: np.ndarray, hc: int, mp: int) -> np.ndarray:
     """[1, Mp] fp32: the three gate scales spread over their mix columns (pre, post, comb), pad 0."""
     row = np.zeros((1, mp), np.float32)
@@ -252,11 +365,14 @@ def _mix_columns(values: np.ndarray, hc: int, mp: int) -> np.ndarray:
 
 
 def run_hc_pre(x_hc: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.ndarray, *, eps: float,
-               norm_eps: float, iters: int, k_step: int | None = None) -> LaunchResult:
-    """hc_pre on numpy arrays; ``values[-3:]`` = x_mixed [T, X] bf16, post [T, hc], comb [T, hc*hc].
+               norm_eps: float, iters: int, k_step: int | None = None, norm: np.ndarray | None = None
+               ) -> LaunchResult:
+    """hc_pre on numpy arrays; ``values[-3:]`` = x_mixed [T, X] bf16, post [T, hc], comb [T, hc*hc], and
+    ``values[-4]`` = x_normed [T, X] bf16, ``bf16(rms(x_mixed, norm))`` (unweighted when ``norm`` is None).
 
     x_hc: [T, hc, X] float32; fn: [(2+hc)*hc, hc*X]; scale: [3]; base: [(2+hc)*hc]; ``k_step``: the mix's chain
-    step (None: :func:`default_k_step`; it must divide :func:`slice_width`).
+    step (None: :func:`default_k_step`; it must divide :func:`slice_width`); norm: [X] fp32, the sub-block's
+    RMSNorm weight (``attn_norm`` / ``ffn_norm``).
     """
     x_hc = np.asarray(x_hc, dtype=np.float32)
     rows, hc, hidden = x_hc.shape
@@ -274,38 +390,43 @@ def run_hc_pre(x_hc: np.ndarray, fn: np.ndarray, scale: np.ndarray, base: np.nda
     base_p = np.zeros((1, mp), np.float32)
     base_p[0, :mix_rows] = np.asarray(base, dtype=np.float32)
     step = default_k_step(k) if k_step is None else int(k_step)
+    norm_w = np.ones((1, hidden), np.float32) if norm is None else np.asarray(norm, np.float32).reshape(1, hidden)
     jit = hc_pre_kernel(rows, hc, hidden, mix_rows, step, float(eps), float(norm_eps), int(iters))
     return launch(jit, [x_p, fn_p, _mix_columns(np.asarray(scale, np.float32), hc, mp), base_p,
-                        perms if perms.size else np.zeros(1, np.int32),
+                        perms if perms.size else np.zeros(1, np.int32), norm_w, Out((rows, hidden), BF16, "x_normed"),
                         Out((rows, hidden), BF16, "x_mixed"), Out((rows, hc), np.float32, "post"),
                         Out((rows, hc * hc), np.float32, "comb")])
 
 
 @attrs.frozen
 class HcPreResult:
-    """hc_pre outputs as the reference's ``HcPre``, plus the cost-model cycles of the call.
+    """hc_pre outputs as the reference's ``HcPre``, plus the fused norm and the cost-model cycles of the call.
 
-    x_mixed: [T, X] fp32 holding bf16 values; post: [T, hc] fp32; comb: [T, hc, hc] fp32 (``comb[t, i, o]``).
+    x_mixed: [T, X] fp32 holding bf16 values; post: [T, hc] fp32; comb: [T, hc, hc] fp32 (``comb[t, i, o]``);
+    x_normed: [T, X] fp32 holding bf16 values, ``bf16(rms(x_mixed, norm))`` (the layer's attn_norm / ffn_norm).
     """
 
     x_mixed: np.ndarray
     post: np.ndarray
     comb: np.ndarray
     cycles: int | None
+    x_normed: np.ndarray | None = None
 
 
-def hc_pre(x_hc: np.ndarray, weights: HcMixer, config: ModelConfig, *, k_step: int | None = None) -> HcPreResult:
-    """The reference's ``hc_pre(x_hc, weights, config, precision="a2a3")`` through the pypto kernel.
+def hc_pre(x_hc: np.ndarray, weights: HcMixer, config: ModelConfig, *, k_step: int | None = None,
+           norm: np.ndarray | None = None) -> HcPreResult:
+    """The reference's ``hc_pre(x_hc, weights, config, precision="a2a3")`` through the pypto kernel, and with
+    ``norm`` [X] the layer's following ``narrow(rms_norm(x_mixed, norm, rms_norm_eps))`` fused (``x_normed``).
 
     x_hc: [T, hc, X] fp32 (padding rows zero); weights: an ``HcWeights`` (``fn``, ``scale``, ``base``);
     config: its ``hc_eps``, ``rms_norm_eps`` and ``hc_sinkhorn_iters`` are used; k_step: see :func:`run_hc_pre`.
     """
     result = run_hc_pre(x_hc, weights.fn, weights.scale, weights.base, eps=config.hc_eps,
-                        norm_eps=config.rms_norm_eps, iters=config.hc_sinkhorn_iters, k_step=k_step)
-    x_mixed, post, comb = result.values[-3:]
+                        norm_eps=config.rms_norm_eps, iters=config.hc_sinkhorn_iters, k_step=k_step, norm=norm)
+    x_normed, x_mixed, post, comb = result.values[-4:]
     hc = post.shape[1]
     return HcPreResult(x_mixed=x_mixed.astype(np.float32), post=post, comb=comb.reshape(-1, hc, hc),
-                       cycles=result.cycles)
+                       cycles=result.cycles, x_normed=None if norm is None else x_normed.astype(np.float32))
 
 
 def run_hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray) -> LaunchResult:

@@ -48,11 +48,12 @@ def attention(batch: PackedBatch, layer: int, x: np.ndarray, weights: AttentionW
 
     batch: the TP group's validated PackedBatch (P rows). x: [P, hidden_size] float32, the post-attn_norm
     hidden rows of all group rows (padding rows zero). weights / caches: of this config and layer; caches
-    allocated for ``precision``. precision: ``"fp32"`` (default, exact DeepSeek math) or ``"a2a3"`` (the
-    a2a3 kernels' bf16/int8 numerics). rank: None for the whole group (output [P, hidden_size]) or a TP
-    rank r (output [L, hidden_size] for rows [r*L, (r+1)*L), equal to that slice of the whole-group
-    result; the KV side and its cache writes still cover all P rows). prepared: a cache of prepared weights
-    the caller keeps across calls (default: prepare them now).
+    allocated for ``precision``. precision: ``"fp32"`` (default, exact DeepSeek math), ``"a2a3"`` (the
+    a2a3 kernels' bf16/int8 numerics) or ``"deepseek"`` (the official inference's bf16 activations and FP8/FP4
+    fake quantisation, :mod:`dspark_kernels.model.numerics`). rank: None for the whole group (output
+    [P, hidden_size]) or a TP rank r (output [L, hidden_size] for rows [r*L, (r+1)*L), equal to that slice
+    of the whole-group result; the KV side and its cache writes still cover all P rows). prepared: a cache of
+    prepared weights the caller keeps across calls (default: prepare them now).
     Every input is checked before any cache is touched (TypeError / ABIError).
     """
     prec = check_precision(precision)
@@ -71,7 +72,7 @@ def attend(plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
     batch, config = plan.batch, plan.config
     kind = config.layer_kind(layer)
     prec = plan.precision
-    xn = narrow(x, prec)  # the a2a3 kernels receive bf16 hidden rows
+    xn = narrow(x, prec)  # the a2a3 kernels and the official inference receive bf16 hidden rows
     eps = config.rms_norm_eps
     w = weights
 

@@ -22,6 +22,12 @@ Indexer keys (CSA, all group rows): the ratio-4 compressor at ``index_head_dim``
 then the Hadamard rotation ``z = y @ Hd`` (Sylvester / sqrt(dI)). fp32 stores z exactly (scale 1.0); a2a3 rounds
 z to bf16 (y already bf16, Hd bf16) and stores ``int8q(z)``: int8 row + float32 dequant scale.
 
+deepseek (the official ``Compressor.forward``): projections, state and pooling in fp32 as above; the pooled entry
+is rounded to bf16 before its RMSNorm, the norm output and the roped entry are bf16; then the main compressors
+FP8-fake-quantise the non-RoPE dims (:func:`~dspark_kernels.model.deepseek_numerics.kv_fake_quant`) and the
+indexer's rotates and FP4-fake-quantises all dI dims
+(:func:`~dspark_kernels.model.deepseek_numerics.index_fake_quant`), stored as float32 with scale 1.0.
+
 Boundary rows come from the batch's plan (``boundaries=``); called on bare arrays, a stage derives them
 (:func:`~dspark_kernels.model.geometry.boundary_rows`).
 """
@@ -32,6 +38,7 @@ import numpy as np
 
 from dspark_abi import ABIError
 from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE
+from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.checks import coverage_issues
 from dspark_kernels.model.geometry import OVERLAP_RATIO, window_state_rows
 from dspark_kernels.model.numerics import Precision, bf16_round, int8_quantize, linear, narrow, rms_norm
@@ -47,7 +54,8 @@ POOL_TILE = 512
 def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
              state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor,
              cos: np.ndarray, sin: np.ndarray, *, page_size: int, eps: float,
-             precision: Precision, boundaries: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+             precision: Precision, boundaries: np.ndarray | None = None,
+             rotate: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Run one compressor over a TP group's rows; writes the state ring, returns the new entries.
 
     x: [P, X] float32 hidden rows (bf16 values in a2a3); positions [P]; request [P] (-1 padding);
@@ -55,8 +63,10 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
     state_pool: [rows, 2*coff*d] float32, **mutated** (the ``[kv | score]`` rows of every live token);
     cos, sin: [P, rd/2] RoPE at each row's window start
     (:func:`~dspark_kernels.model.geometry.window_start_positions`). boundaries: the plan's boundary rows of
-    this ratio (derived from positions and request when None).
-    Returns (boundary rows [B] int64 into the P rows, entries [B, d] float32; bf16 values in a2a3).
+    this ratio (derived from positions and request when None). rotate: the indexer's key compressor (official
+    ``Compressor(rotate=True)``): no FP8 KV fake quant in deepseek (:func:`compress_index_keys` rotates instead).
+    Returns (boundary rows [B] int64 into the P rows, entries [B, d] float32; bf16 values in a2a3 and deepseek,
+    FP8-fake-quantised non-RoPE dims in deepseek unless ``rotate``).
     Raises ABIError ``coverage.unmapped`` (before writing anything) if a ratio-128 window is not mapped.
     """
     ratio, d = weights.ratio, weights.dim
@@ -87,9 +97,15 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
         e = np.exp(sc_s - top)                                                      # (B, slots, d)
         weight = e / np.maximum(e.sum(axis=1, keepdims=True), np.finfo(np.float32).tiny)  # softmax over slots
         pooled = (weight * kv_s).sum(axis=1)                                        # (B, d)
-        entries[lo:hi] = rms_norm(pooled, weights.norm, eps)
-    roped = apply_rope(entries, cos[b], sin[b])
-    return b.astype(np.int64), narrow(roped, precision)
+        if precision == "deepseek":  # kv.to(bf16) before the norm, whose output is bf16 too
+            pooled = narrow(rms_norm(narrow(pooled, precision), weights.norm, eps), precision)
+        else:
+            pooled = rms_norm(pooled, weights.norm, eps)
+        entries[lo:hi] = pooled
+    roped = narrow(apply_rope(entries, cos[b], sin[b]), precision)
+    if precision == "deepseek" and not rotate:
+        roped = ds.kv_fake_quant(roped, 2 * cos.shape[-1])
+    return b.astype(np.int64), roped
 
 
 def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
@@ -100,16 +116,17 @@ def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarra
     """Indexer compressor over a TP group's rows; **mutates** the inner state, idx and idx_scale pools.
 
     x [P, X]; positions, request [P]; state_slots, idx_slots [P] int64 (-1 = no write); state_table [R, w];
-    state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32); idx_scale_pool [rows];
+    state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32 and deepseek); idx_scale_pool [rows];
     cos, sin [P, rd/2] at each row's window start; boundaries: the plan's ratio-4 boundary rows (or None).
     """
     if w.idx_compressor is None or w.idx_hadamard is None:
         raise ValueError("compress_index_keys needs CSA weights (indexer compressor and Hadamard)")
     b, y = compress(x, positions, request, state_slots, state_table, state_pool, w.idx_compressor, cos, sin,
-                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, boundaries=boundaries)
-    z = y @ w.idx_hadamard                                                            # (B, dI)
+                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, boundaries=boundaries,
+                    rotate=True)
+    z = ds.index_fake_quant(y) if precision == "deepseek" else y @ w.idx_hadamard     # (B, dI)
     slots = np.asarray(idx_slots)[b]
-    if precision == "fp32":
+    if precision != "a2a3":
         scatter_rows(idx_pool, slots, z)
         scatter_rows(idx_scale_pool, slots, np.ones(b.size, dtype=np.float32))
         return

@@ -6,8 +6,10 @@ requested rows only, ``sampled = argmax(logits)`` (first maximum). Rows with ind
 are zero and their sampled id is -1.
 
 Precision ``"a2a3"``: the hc_head output and ``x_out`` are bf16 (upstream's ``hidden_workspace`` and ``x_out``);
-logits accumulate in fp32. Under TP the vocabulary is split into contiguous shards (rank r owns
-``vocab_shard(V, TP, r)``); each rank computes its shard and the logits are all-gathered along the vocabulary.
+logits accumulate in fp32. ``"deepseek"`` is the same (the official ``hc_head`` and ``norm`` return bf16; the
+head computes fp32 logits of ``x.float()`` with the fp32-held head weight). Under TP the vocabulary is split
+into contiguous shards (rank r owns ``dspark_kernels.model.geometry.vocab_shard(V, TP, r)``); each rank computes
+its shard and the logits are all-gathered along the vocabulary.
 """
 
 from __future__ import annotations
@@ -22,19 +24,13 @@ from dspark_kernels.reference.hyper_connections import hc_head
 
 def final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *,
                  precision: Precision = "fp32") -> np.ndarray:
-    """``rms(hc_head(x_hc), norm)``: x_hc [T, hc, D] fp32 -> x_out [T, D] fp32 (bf16 values in a2a3 mode).
+    """``rms(hc_head(x_hc), norm)``: x_hc [T, hc, D] fp32 -> x_out [T, D] fp32 (bf16 values in a2a3 and deepseek).
 
     Zero (padding) rows give zero rows.
     """
     check_precision(precision)
     h = hc_head(x_hc, weights.hc, config, precision=precision)
     return narrow(rms_norm(h, weights.norm, config.rms_norm_eps), precision)
-
-
-def vocab_shard(vocab: int, tp_size: int, rank: int) -> slice:
-    """Rank ``rank``'s contiguous vocabulary rows: ``ceil(V / TP)`` each, the last shard possibly shorter."""
-    width = -(-vocab // tp_size)
-    return slice(min(rank * width, vocab), min((rank + 1) * width, vocab))
 
 
 def logits_for_rows(x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:

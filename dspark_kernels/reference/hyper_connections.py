@@ -34,6 +34,10 @@ hc_pre golden defines it:
 * ``hc_post``: ``y[o] = post[o] * out``, then ``+ comb[i, o] * x[i]`` for i = 0, 1, ... in turn (the kernel's).
 
 ``hc_head`` keeps the fp32 orders in both precisions.
+
+``precision="deepseek"`` (the official ``Block.hc_pre`` / ``hc_post`` / ``ParallelHead.hc_head``): fp32 arithmetic in
+the fp32 orders (the tilelang Sinkhorn kernel's reductions are not restated), ``x_mixed`` and the hc_head output
+rounded to bf16, and the ``hc_post`` output rounded to bf16: the official residual streams are bf16 tensors.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from dspark_kernels.model.numerics import (
     HC_K_SPLITS,
     RMS_CHUNK,
     Precision,
+    bf16_round,
     check_precision,
     narrow,
 )
@@ -217,8 +222,9 @@ def hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarra
     ``y[:, o] = post[:, o] * out + sum_i comb[:, i, o] * x_hc[:, i]``.
 
     out: [T, D] attention or FFN output (fp32 values); x_hc: [T, hc, D] the streams hc_pre read.
-    Returns [T, hc, D] fp32 (computed in fp32 in both precisions, as upstream does). ``"a2a3"`` adds in the
-    kernel's order, ``post * out`` first and then the streams i = 0, 1, ... one by one.
+    Returns [T, hc, D] fp32 (computed in fp32 in every precision, as upstream does). ``"a2a3"`` adds in the
+    kernel's order, ``post * out`` first and then the streams i = 0, 1, ... one by one; ``"deepseek"`` rounds the
+    result to bf16 (``y.type_as(x)`` of the official ``hc_post``).
     """
     check_precision(precision)
     out = np.asarray(out, dtype=np.float32)
@@ -230,7 +236,7 @@ def hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarra
         return mixed.astype(np.float32)
     mixed = np.einsum("tio,tid->tod", comb, x_hc, dtype=np.float32)  # (T, hc, D)
     mixed += post[:, :, None] * out[:, None, :]
-    return mixed
+    return bf16_round(mixed) if precision == "deepseek" else mixed
 
 
 def hc_head(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision = "fp32") -> np.ndarray:

@@ -12,6 +12,12 @@ Score of candidate entry c (the request's own entries ``c < (p + 1) // 4``, thro
 ``score = k_scale[c] * sum_h w[h] * ReLU(q_scale[h] * <q[h], k[c]>)``; with fp32's unit scales this is
 ``sum_h w[h] * ReLU(q[h] . k[c])``.
 
+deepseek (the official ``Indexer.forward``): ``indexer.wq_b`` is an FP8 GEMM (bf16 out), q is bf16 after RoPE, then
+rotated and FP4-fake-quantised (:func:`~dspark_kernels.model.deepseek_numerics.index_fake_quant`), like the keys;
+``w = bf16(bf16(x @ weights_proj.T) * index_weight_scale)``; the scores are bf16 tensor ops:
+``bf16(sum_h bf16(ReLU(bf16(q[h] . k[c])) * w[h]))`` (each product and the head sum rounded once). bf16 scores
+tie often; the selection below breaks ties by entry index (``torch.topk`` leaves their order unspecified).
+
 Top-k (:func:`select_topk`, deterministic): higher score first; among equal scores, the lower entry index first.
 Entries with score -inf are not candidates (invisible or unmapped) and are never selected; rows with fewer than
 k candidates select all of them and pad with -1. The selection is exact (no approximate partitioning): the k-th
@@ -26,6 +32,7 @@ import attrs
 import numpy as np
 
 from dspark_abi.layout import KV_PAGE_SIZE, visible_entries
+from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import Precision, int8_matmul, int8_quantize, linear, narrow
 from dspark_kernels.model.plan import Run
@@ -44,7 +51,7 @@ class IndexerQuery:
     """Indexer queries of T rows."""
 
     q: np.ndarray
-    """[T, HI, dI] float32, Hadamard-rotated (int8 values in a2a3)"""
+    """[T, HI, dI] float32, Hadamard-rotated (int8 values in a2a3, FP4 fake-quantised in deepseek)"""
     q_scale: np.ndarray
     """[T, HI] float32 dequant scale per (token, head); 1.0 in fp32"""
     weights: np.ndarray
@@ -59,8 +66,12 @@ def index_query(lrq: LowRankQuery, x: np.ndarray, w: PreparedWeights, cos: np.nd
     """Indexer queries of query rows: lrq over T rows, x [T, X], cos/sin [T, rd/2] at the rows' positions."""
     if w.idx_wq_b is None or w.idx_weights_proj is None or w.idx_hadamard is None:
         raise ValueError("index_query needs CSA weights (indexer.wq_b, weights_proj)")
-    q = lrq.project(w.idx_wq_b, w.idx_wq_b_scale)                                    # (T, HI*dI)
+    q = lrq.project(w.idx_wq_b, w.idx_wq_b_scale, "attn.indexer.wq_b")               # (T, HI*dI)
     q = narrow(apply_rope(q.reshape(q.shape[0], heads, -1), cos, sin), precision)    # (T, HI, dI)
+    if precision == "deepseek":
+        proj = ds.linear(x, w.idx_weights_proj, "attn.indexer.weights_proj")          # (T, HI) bf16
+        return IndexerQuery(ds.index_fake_quant(q), np.ones(q.shape[:2], dtype=np.float32),
+                            narrow(proj * np.float32(weight_scale), precision))
     q = (q.reshape(-1, q.shape[2]) @ w.idx_hadamard).reshape(q.shape)                 # (T, HI, dI)
     head_w = linear(x, w.idx_weights_proj) * np.float32(weight_scale)                 # (T, HI)
     if precision == "fp32":
@@ -73,6 +84,10 @@ def index_scores(query: IndexerQuery, keys: np.ndarray, key_scale: np.ndarray, p
     """[T, C] float32 scores of T queries against C keys [C, dI] (int8 values in a2a3) with scales [C]."""
     t, heads, dim = query.q.shape
     flat = query.q.reshape(t * heads, dim)                                            # (T*HI, dI)
+    if precision == "deepseek":  # bf16 tensor ops; key scales are 1.0
+        relu = np.maximum(narrow(linear(flat, keys), precision).reshape(t, heads, -1), 0)   # (T, HI, C)
+        weighted = narrow(relu * query.weights[:, :, None], precision)                      # (T, HI, C)
+        return narrow(weighted.sum(axis=1, dtype=np.float32), precision)                     # (T, C)
     dots = int8_matmul(flat, keys) if precision == "a2a3" else linear(flat, keys)        # (T*HI, C)
     relu = np.maximum(dots.reshape(t, heads, -1) * query.q_scale[:, :, None], 0)     # (T, HI, C)
     return np.matmul(query.weights[:, None, :], relu)[:, 0, :] * key_scale[None, :]  # (T, C)

@@ -10,7 +10,10 @@ For query t and head h, over the key set U_t = window rows (``ori`` pool) + comp
 then inverse RoPE on the last rd dims of o at the query's own position. Queries without keys (padding
 rows) give 0. a2a3: q and keys are bf16, logits and sums fp32, the probabilities are rounded to bf16
 before the PV product, and o is rounded to bf16 (the kernel's online softmax over key tiles is
-algebraically this one-pass softmax).
+algebraically this one-pass softmax). deepseek (the official tilelang ``sparse_attn``): the same, and o is bf16
+before the inverse RoPE as well as after it. The official kernel rounds each 64-key block's probabilities
+relative to the running maximum at that block, not the row's final one: the same precision, other rounding
+points (identical for queries with at most 64 keys, as on TINY; beyond that not compared).
 
 Implementation: queries are processed in tiles of one request, so memory stays bounded by the tile
 size. A tile gathers the union of its queries' window rows once ([U, D], about t + W - 1 rows) and masks
@@ -120,4 +123,6 @@ def sparse_attention(q: np.ndarray, request: np.ndarray, window_rows: np.ndarray
             keys = np.concatenate(key_parts).astype(np.float32, copy=False)          # (U, D)
             member = _membership(cols, offsets, hi - lo, keys.shape[0])               # (t, U)
             out[lo:hi] = _attend_tile(q[lo:hi], keys, member, own, own_valid, sink, scale, precision)
+    if precision == "deepseek":  # the kernel writes o in bf16; the inverse RoPE then runs in fp32
+        out = narrow(out, precision)
     return narrow(apply_rope(out, cos, sin, inverse=True, out=out), precision)

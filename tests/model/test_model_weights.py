@@ -12,7 +12,6 @@ from safetensors.numpy import save_file
 
 from dspark_abi import ABIError
 from dspark_abi.presets import TINY
-from dspark_kernels.model import weights as mw
 from dspark_kernels.model.weight_specs import WeightsError, weight_specs
 from dspark_kernels.model.weights import ModelWeights
 

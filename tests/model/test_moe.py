@@ -1,16 +1,21 @@
-"""MoE gate and experts against a per-token loop implementation written from DeepSeek-V4's math."""
+"""MoE gate and experts against per-token loop implementations written from DeepSeek-V4's math (fp32) and from
+upstream's a2a3 W8A8 goldens (a2a3)."""
 
 from __future__ import annotations
 
 import math
 
+import attrs
+import ml_dtypes
 import numpy as np
 import pytest
-from tolerances import moe_reductions, order_atol
+from tolerances import bf16_ulp, moe_reductions, order_atol
 
+from dspark_abi import ABIError
 from dspark_abi.presets import TINY
-from dspark_kernels.model.block_weights import MoEWeights
-from dspark_kernels.reference.moe import moe, route
+from dspark_kernels.model.block_weights import ExpertStack, MoEWeights
+from dspark_kernels.model.numerics import rms_norm
+from dspark_kernels.reference.moe import moe, quantized_gate, route
 
 #: fp32 grouped matmuls vs a float64 per-token loop: the measured max error is ~4e-7 of the output's largest
 #: magnitude (10 seeds). Compare with an absolute tolerance of 1e-5 * max|out| (25x margin for BLAS order); a wrong
@@ -123,3 +128,162 @@ def test_hash_layer_needs_token_ids():
     w = _weights(rng, hash_layer=True)
     with pytest.raises(ValueError, match="token_ids"):
         moe(np.ones((2, TINY.hidden_size), np.float32), w, TINY)
+
+
+def test_norm_is_applied_by_the_stage():
+    """With ``norm`` the stage gets hc_pre's x_mixed rows and applies ffn_norm itself (the layer passes it so)."""
+    rng = np.random.default_rng(16)
+    w = _weights(rng, hash_layer=False)
+    x = (rng.standard_normal((9, TINY.hidden_size)) * 3).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(TINY.hidden_size)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + TINY.rms_norm_eps) * norm
+    _close(moe(x, w, TINY, norm=norm), _loop_moe(normed.astype(np.float32), w, np.zeros(9, int)))
+
+
+# --- a2a3: upstream's W8A8 MoE, restated token by token from its goldens -----------------------------------------
+def _bf16(v):
+    return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _int8_rows(v):
+    """upstream's int8q: amax floored at 1e-4, q = rint(v * (127 / amax)), dequant 1 / (127 / amax)."""
+    v = np.asarray(v, np.float32)
+    sq = np.float32(127) / np.maximum(np.abs(v).max(), np.float32(1e-4))
+    return np.rint(v * sq), np.float32(1) / sq
+
+
+def _int8_channels(w):
+    """The W8A8 weight rule (pypto-lib expert_shared.py golden): scale = max(amax, 1e-4) / 127, q = rint(w / scale)."""
+    s = (np.maximum(np.abs(w).max(axis=1), np.float32(1e-4)) / np.float32(127)).astype(np.float32)
+    return np.rint(w / s[:, None]), s
+
+
+def _a2a3_restated(x, w: MoEWeights, norm, token_ids, cfg=TINY, *, shared_clamp=True, requant_h=True,
+                   bf16_per_expert=True):
+    """Per token: gate_golden_core (deferred norm, fp32 gate), expert goldens (int8 x and weights, clamp, int8
+    h, h_q * (h_scale * w) @ w2, bf16 per expert), shared expert (clamped), combine in slot order, bf16."""
+    m, lim = cfg.moe, np.float32(cfg.moe.swiglu_limit)
+    quant = {}
+
+    def q(name, e=None):
+        key = (name, e)
+        if key not in quant:
+            quant[key] = _int8_channels(getattr(w, name) if e is None else getattr(w, name)[e])
+        return quant[key]
+
+    def ffn(xq, xs, w1, w3, w2, row_w, clamp):
+        g = (np.float32(w1[0] @ xq) * xs * w1[1]).astype(np.float32)           # integer dots: exact in float64
+        u = (np.float32(w3[0] @ xq) * xs * w3[1]).astype(np.float32)
+        if clamp:
+            g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+        h = g * (np.float32(1) / (np.float32(1) + np.exp(-g))) * u
+        if not requant_h:
+            return np.float32(w2[0] @ h.astype(np.float64)) * row_w * w2[1]
+        hq, hs = _int8_rows(h)
+        return np.float32(w2[0] @ hq) * (hs * row_w) * w2[1]
+
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        xt = x[t].astype(np.float32)
+        inv = np.float32(1) / np.sqrt(np.float32(xt.astype(np.float64) @ xt) * np.float32(1 / xt.size)
+                                      + np.float32(cfg.rms_norm_eps))
+        xg = xt * _bf16(norm)
+        xq, xd = _int8_rows(xg)
+        xq, xs = xq.astype(np.float64), xd * inv
+        logits = np.float32(w.gate_w.astype(np.float64) @ xg) * inv
+        s = np.sqrt(np.maximum(logits, 0) + np.log1p(np.exp(-np.abs(logits))))
+        if w.tid2eid is not None:
+            chosen = [int(e) for e in w.tid2eid[token_ids[t]]]
+        else:
+            biased = s + w.gate_bias
+            chosen = sorted(range(m.n_routed_experts), key=lambda e: (-biased[e], e))[: m.num_experts_per_tok]
+        vals = s[chosen]
+        route = vals / vals.sum() * np.float32(m.routed_scaling_factor)
+        acc = _bf16(ffn(xq, xs, q("shared_w1"), q("shared_w3"), q("shared_w2"), np.float32(1), shared_clamp))
+        for e, rw in zip(chosen, route, strict=True):
+            y = ffn(xq, xs, q("w1", e), q("w3", e), q("w2", e), np.float32(rw), True)
+            acc = acc + (_bf16(y) if bf16_per_expert else y)
+        out[t] = _bf16(acc)
+    return out
+
+
+#: The a2a3 reference against the restatement: the integer products are exact on both sides and the elementwise fp32
+#: steps are the same; only the order of the gate's logits and sum of squares differs (float64 dots here vs BLAS),
+#: which moves x_scale and the scores by an ulp and so can flip an int8 rounding of ``h`` or a bf16 rounding (one bf16
+#: step of one element). Measured over 12 seeds x 2 layer kinds: bit-identical. Allowed: 2 % of elements, 2 bf16
+#: steps each. The broken variants below (no shared clamp, no int8 h, no bf16 per expert) move >= 29 % (measured).
+A2A3_MAX_DIFFERING, A2A3_MAX_STEPS = 0.02, 2.0
+
+
+def _a2a3_case(seed, hash_layer):
+    rng = np.random.default_rng([40, seed, hash_layer])
+    w = _weights(rng, hash_layer=hash_layer)
+    w = MoEWeights(**{f: (None if v is None else v if v.dtype.kind in "iu" else _bf16(v))
+                      for f, v in attrs.asdict(w, recurse=False).items()})
+    x = _bf16(rng.standard_normal((24, TINY.hidden_size)) * 2)
+    norm = _bf16(1 + 0.1 * rng.standard_normal(TINY.hidden_size))
+    return w, x, norm, rng.integers(0, TINY.vocab_size, 24)
+
+
+def _steps(got, want):
+    """(fraction of differing elements, largest difference in bf16 steps of the expected value)."""
+    return float(np.mean(got != want)), float((np.abs(got - want) / bf16_ulp(want)).max())
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_a2a3_moe_matches_the_w8a8_restatement(seed, hash_layer):
+    w, x, norm, ids = _a2a3_case(seed, hash_layer)
+    got = moe(x, w, TINY, norm=norm, token_ids=ids, precision="a2a3")
+    differing, steps = _steps(got, _a2a3_restated(x, w, norm, ids))
+    assert differing <= A2A3_MAX_DIFFERING and steps <= A2A3_MAX_STEPS, (differing, steps)
+    for broken in (dict(shared_clamp=False), dict(requant_h=False), dict(bf16_per_expert=False)):
+        worse, _ = _steps(got, _a2a3_restated(x, w, norm, ids, **broken))
+        assert worse > 5 * A2A3_MAX_DIFFERING, (broken, worse)  # the comparison sees each numerics point
+
+
+def test_a2a3_int8_activations_are_per_token_of_the_unnormalised_rows():
+    """The gate quantises xg = x * norm (the RMS factor rides the scale, as upstream's deferred norm), never a bf16
+    copy of the normalised row: the int8 codes equal int8q(x * norm), the scale amax / 127 / rms."""
+    w, x, norm, _ = _a2a3_case(0, False)
+    g = quantized_gate(x, w, TINY, norm=norm)
+    for t in range(x.shape[0]):
+        q, d = _int8_rows(x[t] * norm)
+        rms = np.sqrt(np.mean(x[t].astype(np.float64) ** 2) + TINY.rms_norm_eps)
+        np.testing.assert_array_equal(g.x_q[t], q)
+        np.testing.assert_allclose(g.x_scale[t], d / rms, rtol=1e-6)  # sum-of-squares order: 1.7e-7 (12 seeds)
+    normed = _bf16(rms_norm(x, norm, TINY.rms_norm_eps))
+    assert (quantized_gate(normed, w, TINY).x_q != g.x_q).any()  # bf16 normalised rows would quantise differently
+
+
+def test_a2a3_uses_a_checkpoints_stored_int8_experts():
+    """A stored W8A8 expert (``ExpertStack.int8``) is used as stored; without one the float expert is quantised
+    when a token reaches it (a streaming stack reads it then)."""
+    w, x, norm, _ = _a2a3_case(1, False)
+    floats = moe(x, w, TINY, norm=norm, precision="a2a3")
+    names = ("w1", "w2", "w3")
+    lazy = attrs.evolve(w, **{n: ExpertStack(getattr(w, n).shape, getattr(w, n).__getitem__) for n in names})
+    np.testing.assert_array_equal(moe(x, lazy, TINY, norm=norm, precision="a2a3"), floats)
+
+    def stored(name):  # the float read is 1.5x off: only the stored int8 gives ``floats``
+        arr = getattr(w, name)
+        return ExpertStack(arr.shape, lambda e: arr[e] * np.float32(1.5), lambda e: _int8_channels(arr[e]))
+
+    with_int8 = attrs.evolve(w, **{n: stored(n) for n in ("w1", "w2", "w3")})
+    np.testing.assert_array_equal(moe(x, with_int8, TINY, norm=norm, precision="a2a3"), floats)
+    off = attrs.evolve(w, **{n: getattr(w, n) * np.float32(1.5) for n in ("w1", "w2", "w3")})
+    assert np.mean(moe(x, off, TINY, norm=norm, precision="a2a3") != floats) > 0.5  # the floats would be seen
+
+
+def test_a2a3_padding_rows_are_zero_and_expert_ids_are_checked():
+    w, x, norm, ids = _a2a3_case(2, True)
+    live = np.ones(x.shape[0], bool)
+    live[[0, 7]] = False
+    got = moe(x, w, TINY, norm=norm, token_ids=ids, live=live, precision="a2a3")
+    assert not got[~live].any()
+    np.testing.assert_array_equal(got[live], moe(x[live], w, TINY, norm=norm, token_ids=ids[live], precision="a2a3"))
+    bad = attrs.evolve(w, tid2eid=np.full_like(w.tid2eid, TINY.moe.n_routed_experts))
+    with pytest.raises(ABIError) as err:
+        moe(x, bad, TINY, norm=norm, token_ids=ids, precision="a2a3")
+    assert err.value.codes == {"config.mismatch"}

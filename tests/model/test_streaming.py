@@ -98,7 +98,8 @@ def test_only_the_experts_tokens_reach_are_read(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(ShardIndex, "tensor", spy)
     result = _run(ModelWeights.from_safetensors(root, SPARSE), SPARSE, tokens=1)
     experts = {n for n in read if ".ffn.experts." in n}
-    per_layer = {i: {n.split(".")[4] for n in experts if n.startswith(f"layers.{i}.")} for i in range(SPARSE.num_layers)}
+    per_layer = {i: {n.split(".")[4] for n in experts if n.startswith(f"layers.{i}.")}
+                 for i in range(SPARSE.num_layers)}
     k = SPARSE.moe.num_experts_per_tok
     rows = 3  # two requests of 1 and 2 tokens
     for i, used in per_layer.items():

@@ -13,6 +13,11 @@ forms on the fixture below (12 cases), with the kernel's default 4-column chain 
 * ``comb``: 65-80 % of elements differ (the exp differences carried through 20 normalisation rounds), by at most
   1.8e-7 absolute and 1.4e-6 relative.
 * hc_post: bit-exact (the same fp32 multiplies and adds in the same order).
+* the fused sub-block RMSNorm ``x_normed = bf16(rms(x_mixed, norm))`` (X = 128): torch's and numpy's sums of the
+  X squares differ by at most ~X u relative (u = 2**-24; 8e-6 << one bf16 step, 2**-8), so an element is equal or
+  one bf16 step apart. Measured (3 seeds x 2 gate scales): against the norm of the kernel's own x_mixed, 0
+  differing elements; against the reference's x_mixed, 1 element in one case (x_mixed's flip of a cancelling
+  element above, 3e-7 after the norm).
 """
 
 import numpy as np
@@ -20,7 +25,7 @@ import pytest
 from pypto_fixtures import CONFIG, SEED, packed_batch
 
 from dspark_kernels.model.block_weights import HcWeights
-from dspark_kernels.model.numerics import bf16_round
+from dspark_kernels.model.numerics import bf16_round, rms_norm
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.reference import hyper_connections as ref
 
@@ -62,6 +67,17 @@ def hc_pre_many(cases: list[tuple]) -> list[tuple[np.ndarray, np.ndarray, np.nda
     for x, w, k_step in cases:
         r = hc_pre(x, w, CONFIG, k_step=k_step)
         out.append((r.x_mixed, r.post, r.comb))
+    return out
+
+
+def hc_pre_normed_many(cases: list[tuple]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per (x_hc, weights, norm): the kernel's (x_mixed, x_normed)."""
+    from dspark_kernels.pypto.hyper_connections import hc_pre
+
+    out = []
+    for x, w, norm in cases:
+        r = hc_pre(x, w, CONFIG, norm=norm)
+        out.append((r.x_mixed, r.x_normed))
     return out
 
 
@@ -107,6 +123,31 @@ def test_hc_pre_matches_reference():
         assert not x_mixed[padding].any()
         np.testing.assert_allclose(post, want.post, rtol=POST_RTOL, atol=POST_ATOL)
         np.testing.assert_allclose(comb, want.comb, rtol=COMB_RTOL, atol=COMB_ATOL)
+
+
+def test_hc_pre_fuses_the_sub_block_norm():
+    """``hc_pre(..., norm=w)`` also returns the layer's ``narrow(rms_norm(x_mixed, w))`` (attn_norm / ffn_norm)."""
+    cases, expected = [], []
+    for seed in (SEED, SEED + 1, SEED + 2):
+        for pre_scale in PRE_SCALES:
+            x, w = _inputs(seed, pre_scale)
+            norm = bf16_round(1.0 + 0.2 * np.random.default_rng([seed, 29]).standard_normal(CONFIG.hidden_size))
+            cases.append((x, w, norm))
+            expected.append(ref.hc_pre(x, w, CONFIG, precision="a2a3"))
+    padding = packed_batch().row_request < 0
+    for (_, _, norm), want, (x_mixed, x_normed) in zip(cases, expected, run_isolated(hc_pre_normed_many, cases),
+                                                        strict=True):
+        np.testing.assert_allclose(x_mixed, want.x_mixed, rtol=BF16_RTOL, atol=BF16_ATOL)
+        of_own = bf16_round(rms_norm(x_mixed, norm, CONFIG.rms_norm_eps))  # the norm stage alone
+        np.testing.assert_allclose(x_normed, of_own, rtol=BF16_RTOL, atol=BF16_ATOL)
+        assert np.mean(x_normed != of_own) <= MAX_DIFFERING_FRACTION
+        # against the layer's two reference stages: x_mixed's allowed difference, carried through the norm's gain
+        # |norm| / rms(x_mixed) (a cancelling element's BF16_ATOL is measured 1.1e-5 after the norm: 3e-7 apart)
+        of_reference = bf16_round(rms_norm(want.x_mixed, norm, CONFIG.rms_norm_eps))
+        gain = np.abs(norm) / np.sqrt(np.mean(want.x_mixed**2, axis=1, keepdims=True) + CONFIG.rms_norm_eps)
+        assert np.all(np.abs(x_normed - of_reference) <= BF16_RTOL * np.abs(of_reference) + BF16_ATOL * gain)
+        assert np.mean(x_normed != of_reference) <= MAX_DIFFERING_FRACTION
+        assert not x_normed[padding].any()
 
 
 def test_hc_post_matches_reference_exactly():
