@@ -78,7 +78,13 @@ def table_rows(table: Tensor, request: Tensor, logical: Tensor, live: Tensor, *,
         live = pypto.logical_and(live, pypto.lt(logical_page, float(width)))
     entry = pypto.where(live, pypto.add(pypto.mul(request, float(width)), column), 0.0)
     flat = pypto.reshape(pypto.cast(entry, pypto.DT_INT32), [rows * cols])
-    block = pypto.cast(pypto.reshape(pypto.index_select(table, 0, flat), [rows, cols]), pypto.DT_FP32)
+    saved = pypto.get_vec_tile_shapes()
+    # one 1-D tile per 2-D tile of the caller, whose first entry alone split the lookup into 16s (the ratio-128
+    # pooling kernel: 32 lookup tasks of 16 entries; 77k -> 51k cycles with this tile)
+    pypto.set_vec_tile_shapes(min(rows, saved[0]) * min(cols, saved[-1]))
+    picked = pypto.index_select(table, 0, flat)
+    pypto.set_vec_tile_shapes(*saved)
+    block = pypto.cast(pypto.reshape(picked, [rows, cols]), pypto.DT_FP32)
     mapped = pypto.logical_and(live, pypto.ge(block, 0.0))
     return pypto.where(mapped, pypto.add(pypto.mul(block, float(page)), offset), -1.0)
 
@@ -140,12 +146,19 @@ def _pair_indices(rd: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def rope_rows(tail: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
-    """Rotate interleaved pairs of ``tail`` [rows, heads, rd] fp32 by cos/sin [rows, rd/2] (broadcast over heads).
+    """Rotate interleaved pairs of ``tail`` [rows, heads, rd] fp32 by cos/sin [rows, rd/2] (broadcast over heads),
+    or of a single-head ``tail`` [rows, rd] (2-D tiles throughout: the compressed entries).
 
     Pairs are separated and re-interleaved with ``index_select`` on the last axis; the values are only moved,
     never rounded. pypto's cost model prices this far below reshape + transpose de-interleaving (the shared kv
     kernel at FLASH sizes: 125k vs 262k cycles) and below a one-gather partner-swap form (605k).
     """
+    if len(tail.shape) == 2:
+        even_idx, odd_idx, interleave = _pair_indices(tail.shape[1])
+        c, s = pypto.cast(cos, pypto.DT_FP32), pypto.cast(sin, pypto.DT_FP32)
+        even, odd = rope_interleaved(pypto.index_select(tail, 1, even_idx), pypto.index_select(tail, 1, odd_idx),
+                                     c, s, inverse=inverse)
+        return pypto.index_select(pypto.concat([even, odd], -1), 1, interleave)
     rows, heads, rd = tail.shape
     even_idx, odd_idx, interleave = _pair_indices(rd)
     c = pypto.expand_clone(pypto.reshape(pypto.cast(cos, pypto.DT_FP32), [rows, 1, rd // 2]), [rows, heads, rd // 2])

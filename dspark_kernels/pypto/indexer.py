@@ -3,42 +3,88 @@
 Kernel arguments (T query rows = the rank's L local rows; Q q_lora_rank, X hidden, HI/dI indexer heads/dim,
 rd rope dims, C candidate columns, k = index_topk, Ri idx-pool rows; shapes static per call):
 
-* ``qr_q`` [T, Q] int8, ``qr_scale`` [T, 1] fp32 in: the int8 low-rank query of stage 2.
-* ``wq_b`` [HI*dI, Q] int8, ``wq_b_scale`` [1, HI*dI] fp32 in: ``indexer.wq_b`` per output channel.
+The host repeats the per-row inputs once per head, so the query runs as [T*HI, dI] rows (row t*HI + h) with a
+single reshape of the projection's output and no 3-D tiles:
+
+* ``qr_q`` [T, Q] int8 in, ``qr_scale`` [T*HI, 1] fp32 in: the int8 low-rank query of stage 2 (scale repeated).
+* ``wq_b`` [HI*dI, Q] int8, ``wq_b_scale`` [T*HI, dI] fp32 in: ``indexer.wq_b``, its per-output-channel scale
+  as [HI, dI] tiled T times.
 * ``x`` [T, X] bf16 in; ``weights_proj`` [HI, X] bf16 in.
-* ``cos``, ``sin`` [T, rd/2] bf16 in: compressed-layer RoPE at each row's own position.
+* ``cos``, ``sin`` [T*HI, rd/2] bf16 in: compressed-layer RoPE at each row's own position (repeated).
 * ``hadamard`` [dI, dI] bf16 in: Sylvester Hadamard / sqrt(dI).
 * ``idx`` [Ri, dI] int8, ``idx_scale`` [Ri] fp32 in: the idx cache (written by the indexer compressor first,
   so a boundary row sees its own new entry).
 * ``candidates`` [T, C] int32 in: physical idx rows of entries ``c < (p + 1) // 4`` through the row's own
-  request table (``entry_rows.run_entry_rows`` with ratio 4), -1 = not a candidate (invisible, unmapped, padding).
+  request table (``entry_rows.run_entry_rows`` with ratio 4), a non-candidate (invisible, unmapped, padding;
+  -1 in :func:`run_indexer`'s input) as row 0; ``key_bias`` [T, C] fp32 in: 0, or MASKED_SCORE there.
+* ``page_table`` [1, MIN_COLUMNS] int32 in: zeros (``gather_in_l1`` reads the idx pool as one page, as
+  ``sparse_attention`` does).
 * ``top`` [T, k] int32 out: logical entries of the k best scores, best first; -1 after ``min(k, candidates)``.
 
 Math: ``q = rope((qr_q @ wq_b.T) * qr_scale * wq_b_scale)`` per head, bf16; ``q = bf16(q) @ hadamard``;
 ``(q_i8, q_dq) = int8q(q)`` per (row, head); ``w = (x @ weights_proj.T) * index_weight_scale``;
-``score[c] = idx_scale[c] * sum_h w[h] * relu(q_dq[h] * <q_i8[h], idx[c]>)`` (int32 dot products); top-k
+``score[c] = idx_scale[c] * sum_h w[h] * relu(q_dq[h] * <q_i8[h], idx[c]>)`` (int32 dot products), computed
+as ``sum_h (q_dq[h] * w[h]) * relu(<q_i8[h], idx[c]>)`` (q_dq > 0; the products round differently, by ~1 ulp); top-k
 over the candidates with pypto's ``topk`` (in rounds of <= 128 for k > 128). Ties may come out in any order (the
 reference takes the lower entry first); callers compare selections as sets with a tie tolerance.
+
+Structure: the query side runs batched over [T*HI, dI] rows; then one ``pypto.loop`` iteration per
+ROW_BLOCK rows, each row's candidate keys gathered straight into L1 (``pypto.experimental.gather_in_l1``):
+one cube task for the block's dot products and one vector task per row for the head sum, scale, mask and
+top-k (the attention core's pattern: few tasks with one consumer each).
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
+import math
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rope_rows, tile
-from dspark_kernels.pypto.runtime import LaunchResult, Out, kernel, launch, pypto
+from dspark_kernels.pypto._ops import MASKED_SCORE, MIN_COLUMNS, int8_rows, rope_rows, tile
+from dspark_kernels.pypto.runtime import LaunchResult, Out, jit_options, launch, pypto
+from dspark_kernels.pypto.sparse_attention import MAX_STITCH
 
 BF16 = ml_dtypes.bfloat16
 #: Largest k pypto 0.2.0's ``topk`` supports.
 TOPK_MAX_K = 128
-#: Elements of one selection tile: topk and the masking scatter need whole rows in a tile
-#: (``The axis is not supported for tile splitting``).
-SELECT_TILE_ELEMENTS = 4096
 #: pypto's sort needs tiles whose last axis is a multiple of 32 elements.
 SORT_ALIGN = 32
+# Tiles and merging chosen with pypto's cost model (benchmarks/bench_pypto.py, FLASH, L = 128 rows, 1024
+# candidates; roofline 15.0k cycles). The model charges ~1.4k cycles per copy into a core's buffer whatever its
+# size, ~0.4k of AICPU time per dependency between tasks, and its AICPUs take 3-10k cycles from a task's end
+# to its consumer's start, so few, large tasks won throughout. The batched form (keys gathered per row into
+# [T, C, dI] in global memory, [T, HI, C] scores, reshapes to [T, HI, dI] around RoPE) went 1,528,753 -> 257,650
+# cycles by tiling. Then: a per-row loop with keys gathered into L1 and the row's vector work in one scope,
+# 283,226 (the loop's tasks waited on the batched candidate tasks: their ~400 consumers were resolved while the
+# query side waited) -> 253,133 with the loop reading only kernel inputs besides q (host-built key_bias, idx
+# scales gathered per row) -> 226,265 with the whole loop in one stitch (rows + 1 functions: with ``rows`` the
+# last row ran in a second stitch, +27k) -> 210,615 in blocks of 2 rows (215,301 with one vector task per
+# block) -> 205,918 with RoPE over [T*HI, rd] (cos / sin repeated per head) instead of [T, HI, rd] ->
+# 187,039 (12.5x) with the dequant after the reshape, fused with RoPE into one task per tile. What remains: the
+# loop moves each row's [HI, C] int32 dots (256 KB) through global memory (its vector task is 90% copy-in) and
+# starts only when q_i8 is complete (~90k). Per-head views of the projection (no reshape; 383k-422k: each view
+# of the [T, HI*dI] product made its producer a hub) were slower; gathering keys once per group of rows in the
+# batched form failed in pypto 0.2.0's scheduler ("Spill all buffer failed ... L0C_COPY_TO_L1").
+#: Vector tile of the query rows [T*HI, dI] (dequant + RoPE, int8): (32, 128) 268.6k, (64, 128) 259.1k,
+#: (128, 128) 258.3k in the batched form.
+QUANT_TILE = (128, 128)
+#: Vector tile of the head weights [T, HI] (the batched form's (32, 512) projection tile, clamped; (128, 128)
+#: fails in pypto's scheduler: ``RetireOp failed! COPY_OUT``).
+HEAD_W_TILE = (32, 512)
+#: Same-structure cube subgraphs merged per task (pass option ``cube_nbuffer_setting``) on the query side:
+#: 307k cycles unmerged, 269k in pairs, 284k in fours (batched form).
+CUBE_MERGE = 2
+#: Rows per loop iteration: their dot products (two 512-column halves each) are one cube task. 1: 226,265
+#: cycles, 2: 210,615, 4: 225,985, 8: 245,423 (merging only pairs at 4: 220,487).
+ROW_BLOCK = 2
+#: Vector tile of one row's [HI, C] head sum: (64, 256) 187.0k, (64, 128) 202.1k; (64, 512) and (32, 1024)
+#: fail in pypto's scheduler (``RetireOp failed! ASSEMBLE``), (32, 512) did not finish compiling in 10 minutes.
+HEAD_SUM_TILE = (64, 256)
+#: ``sg_set_scope`` id of a row's vector work (head sum, scale, mask, top-k, store): one task per row.
+ROW_SCOPE = 1
 
 
 def _select(score: Any, topk: int, rounds: int) -> tuple[Any, Any]:
@@ -61,64 +107,116 @@ def _select(score: Any, topk: int, rounds: int) -> tuple[Any, Any]:
     return pypto.concat(values, -1), pypto.concat(picked, -1)
 
 
+def _stitched_kernel(iterations: int) -> Callable[[Callable[..., Any]], Any]:
+    """``runtime.kernel`` with the query side and its ``iterations`` loop iterations in one stitch."""
+    options = jit_options()
+    options["runtime_options"] = {**options.get("runtime_options", {}),
+                                  "stitch_function_max_num": min(iterations + 1, MAX_STITCH)}
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        return pypto.frontend.jit(**options)(fn)
+
+    return decorate
+
+
 @lru_cache(maxsize=16)
 def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, rope: int, columns: int,
                    topk: int, pool_rows: int, weight_scale: float, rounds: int = 0) -> Any:
     """The jit kernel for one geometry (module docstring); ``rounds``: see :func:`_select` (0 = as few as k allows)."""
     rounds = rounds or -(-topk // TOPK_MAX_K)
-    tm, tk, tn = tile(rows, 128), tile(max(hidden, q_rank), 128), tile(dim, 128)
+    block = math.gcd(rows, ROW_BLOCK)
+    tm, tn = tile(rows, 128), tile(dim, 128)
     if tm == 64:  # an M tile of 64 here ends the process with SIGSEGV in pypto 0.2.0 (seen for 64 <= T < 128)
         tm = 32
+    # cube tiles ([M L0, L1], [K L0, L1], [N L0, L1]); L0A/L0B hold 64 KB, L0C 128 KB
+    q_cube = ([tm, tm], [tile(q_rank, 256), tile(q_rank, 1024)], [tile(heads * dim, 256)] * 2)  # int8 wq_b
+    w_cube = ([min(tm, 32)] * 2, [tile(hidden, 256), tile(hidden, 1024)], [tile(heads, 64)] * 2)  # 4 M tasks
+    h_cube = ([tm, tm], [tn, tn], [tn, tn])                                                     # Hadamard
+    d_cube = ([tile(heads, 64)] * 2, [tn, tn], [tile(columns, 512)] * 2)                        # q . keys
+    quant = tuple(min(t, n) for t, n in zip(QUANT_TILE, (rows * heads, dim), strict=True))
+    head_sum = tuple(min(t, n) for t, n in zip(HEAD_SUM_TILE, (heads, columns), strict=True))
 
-    @kernel
+    @_stitched_kernel(rows // block)
     def lightning_indexer(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
             qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
-            qr_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
+            qr_scale: pypto.Tensor([rows * heads, 1], pypto.DT_FP32),
             wq_b: pypto.Tensor([heads * dim, q_rank], pypto.DT_INT8),
-            wq_b_scale: pypto.Tensor([1, heads * dim], pypto.DT_FP32),
+            wq_b_scale: pypto.Tensor([rows * heads, dim], pypto.DT_FP32),
             x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
             weights_proj: pypto.Tensor([heads, hidden], pypto.DT_BF16),
-            cos: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
-            sin: pypto.Tensor([rows, rope // 2], pypto.DT_BF16),
+            cos: pypto.Tensor([rows * heads, rope // 2], pypto.DT_BF16),
+            sin: pypto.Tensor([rows * heads, rope // 2], pypto.DT_BF16),
             hadamard: pypto.Tensor([dim, dim], pypto.DT_BF16),
             idx: pypto.Tensor([pool_rows, dim], pypto.DT_INT8),
             idx_scale: pypto.Tensor([pool_rows], pypto.DT_FP32),
             candidates: pypto.Tensor([rows, columns], pypto.DT_INT32),
+            key_bias: pypto.Tensor([rows, columns], pypto.DT_FP32),
+            page_table: pypto.Tensor([1, MIN_COLUMNS], pypto.DT_INT32),
             top: pypto.Tensor([rows, topk], pypto.DT_INT32)):
         _sizes = (rows, q_rank, hidden, heads, dim, rope, columns, topk, pool_rows)  # closure capture
-        pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
-        pypto.set_vec_tile_shapes(16, 128)
-        wide = pypto.cast(pypto.matmul(qr_q, wq_b, pypto.DT_INT32, b_trans=True), pypto.DT_FP32)  # [T, HI*dI]
-        wide = pypto.mul(pypto.mul(wide, qr_scale), wq_b_scale)
+        pypto.set_pass_options(cube_nbuffer_setting={-1: CUBE_MERGE})
+        pypto.set_cube_tile_shapes(*q_cube)
+        pypto.set_vec_tile_shapes(min(rows, HEAD_W_TILE[0]), min(heads, HEAD_W_TILE[1]))
+        wide = pypto.matmul(qr_q, wq_b, pypto.DT_INT32, b_trans=True)                            # [T, HI*dI]
+        pypto.set_cube_tile_shapes(*w_cube)
         head_w = pypto.mul(pypto.matmul(x, weights_proj, pypto.DT_FP32, b_trans=True), weight_scale)  # [T, HI]
-        pypto.set_vec_tile_shapes(8, 4, 64)  # (1, 8, 128) here ends the process with SIGSEGV in pypto 0.2.0
-        q3 = pypto.reshape(wide, [rows, heads, dim])
-        roped = rope_rows(pypto.view(q3, [rows, heads, rope], [0, 0, dim - rope]), cos, sin)
-        q3 = pypto.cast(pypto.concat([pypto.view(q3, [rows, heads, dim - rope], [0, 0, 0]), roped], -1),
+        head_w = pypto.reshape(head_w, [rows * heads, 1])                                        # [T*HI, 1]
+        pypto.set_vec_tile_shapes(*quant)
+        # dequant after the reshape: it joins RoPE's task (before it, its own 64 tasks: 206k -> 187k)
+        q2 = pypto.cast(pypto.reshape(wide, [rows * heads, dim]), pypto.DT_FP32)                # [T*HI, dI]
+        q2 = pypto.mul(pypto.mul(q2, qr_scale), wq_b_scale)
+        roped = rope_rows(pypto.view(q2, [rows * heads, rope], [0, dim - rope]), cos, sin)
+        q2 = pypto.cast(pypto.concat([pypto.view(q2, [rows * heads, dim - rope], [0, 0]), roped], -1),
                         pypto.DT_BF16)
-        pypto.set_vec_tile_shapes(16, 128)
-        rotated = pypto.matmul(pypto.reshape(q3, [rows * heads, dim]), hadamard, pypto.DT_FP32)  # [T*HI, dI]
+        pypto.set_cube_tile_shapes(*h_cube)
+        rotated = pypto.matmul(q2, hadamard, pypto.DT_FP32)                                     # [T*HI, dI]
         q_i8, q_dq = int8_rows(rotated)                                                          # [T*HI, dI], [T*HI, 1]
-        pypto.set_vec_tile_shapes(16, min(columns, 128))
-        cand = pypto.cast(candidates, pypto.DT_FP32)
-        present = pypto.ge(cand, 0.0)
-        safe = pypto.cast(pypto.where(present, cand, 0.0), pypto.DT_INT32)
-        key_scale = pypto.index_select(idx_scale, 0, safe)                                       # [T, C]
-        pypto.set_vec_tile_shapes(1, min(columns, 64), 128)
-        keys = pypto.index_select(idx, 0, safe)                                                  # [T, C, dI]
-        dots = pypto.matmul(pypto.reshape(q_i8, [rows, heads, dim]), keys, pypto.DT_INT32, b_trans=True)
-        pypto.set_vec_tile_shapes(1, 8, min(columns, 128))
-        dots = pypto.mul(pypto.cast(dots, pypto.DT_FP32), pypto.reshape(q_dq, [rows, heads, 1]))  # [T, HI, C]
-        weighted = pypto.mul(pypto.relu(dots), pypto.reshape(head_w, [rows, heads, 1]))
-        score = pypto.reshape(pypto.sum(weighted, 1, keepdim=True), [rows, columns])            # [T, C]
-        pypto.set_vec_tile_shapes(16, min(columns, 128))
-        score = pypto.where(present, pypto.mul(score, key_scale), MASKED_SCORE)
-        pypto.set_vec_tile_shapes(max(1, min(16, SELECT_TILE_ELEMENTS // columns)), columns)  # whole rows
-        values, picked = _select(score, topk, rounds)
-        chosen = pypto.gt(values, MASKED_SCORE * 0.5)
-        top[:] = pypto.cast(pypto.where(chosen, pypto.cast(picked, pypto.DT_FP32), -1.0), pypto.DT_INT32)
+        # relu(q_dq * dot) = q_dq * relu(dot) (q_dq = amax / 127 > 0): one factor per (row, head), formed next to
+        # q_dq (formed in a later step, its [T, HI, C] broadcast was written out to memory: 70-160k cycles)
+        head_w = pypto.mul(q_dq, head_w)                                                         # [T*HI, 1]
+        for b in pypto.loop(rows // block):
+            _rows_top(b, block, q_i8, head_w, (candidates, key_bias, idx, idx_scale, page_table), top,
+                      (d_cube, head_sum, topk, rounds))
 
     return lightning_indexer
+
+
+def _rows_top(b: Any, block: int, q_i8: Any, head_w: Any, keys_in: tuple[Any, ...], top: Any,
+              shapes: tuple[Any, ...]) -> None:
+    """Scores and top-k of rows b*block .. b*block + block - 1 into ``top`` (traced, plain Python).
+
+    ``keys_in``: the kernel's candidates, key_bias, idx, idx_scale and page_table; ``shapes``: the dot products'
+    cube tiles, the head-sum vector tile, k and the selection rounds. The loop reads nothing else the kernel
+    computes but q_i8 and head_w: every extra producer would be a dependency of each iteration.
+    """
+    candidates, key_bias, idx, idx_scale, page_table = keys_in
+    d_cube, head_sum, topk, rounds = shapes
+    rows, columns = candidates.shape
+    heads, dim = q_i8.shape[0] // rows, q_i8.shape[1]
+    pypto.set_pass_options(cube_nbuffer_setting={-1: CUBE_MERGE * block})  # the block's dots: one cube task
+    pypto.set_cube_tile_shapes(*d_cube)
+    dots = []
+    for r in range(block):
+        t = b * block + r
+        keys = pypto.experimental.gather_in_l1(idx, pypto.view(candidates, [1, columns], [t, 0]), page_table,
+                                               idx.shape[0], dim, True, True)               # [C, dI] in L1
+        dots.append(pypto.matmul(pypto.view(q_i8, [heads, dim], [t * heads, 0]), keys, pypto.DT_INT32,
+                                 b_trans=True))                                              # [HI, C]
+    for r in range(block):
+        t = b * block + r
+        pypto.set_pass_options(sg_set_scope=ROW_SCOPE)
+        pypto.set_vec_tile_shapes(*head_sum)
+        relu = pypto.relu(pypto.cast(dots[r], pypto.DT_FP32))  # exact: |dot| <= 127 * 127 * dI < 2**24
+        score = pypto.sum(pypto.mul(relu, pypto.view(head_w, [heads, 1], [t * heads, 0])), 0, keepdim=True)
+        pypto.set_vec_tile_shapes(1, columns)
+        key_scale = pypto.index_select(idx_scale, 0, pypto.view(candidates, [1, columns], [t, 0]))
+        # a non-candidate: score * idx_scale[0] + MASKED_SCORE rounds to MASKED_SCORE (|score * scale| << 1e22)
+        score = pypto.add(pypto.mul(score, key_scale), pypto.view(key_bias, [1, columns], [t, 0]))   # [1, C]
+        values, picked = _select(score, topk, rounds)
+        chosen = pypto.gt(values, MASKED_SCORE * 0.5)
+        pypto.assemble(pypto.cast(pypto.where(chosen, pypto.cast(picked, pypto.DT_FP32), -1.0), pypto.DT_INT32),
+                       [t, 0], top)
+        pypto.set_pass_options(sg_set_scope=-1)  # a new scope per row: one vector task each
 
 
 def run_indexer(qr_q: np.ndarray, qr_scale: np.ndarray, wq_b: np.ndarray, wq_b_scale: np.ndarray, x: np.ndarray,
@@ -139,9 +237,11 @@ def run_indexer(qr_q: np.ndarray, qr_scale: np.ndarray, wq_b: np.ndarray, wq_b_s
     dim = hadamard.shape[0]
     k = indexer_kernel(rows, q_rank, x.shape[1], heads, dim, 2 * cos.shape[1], candidates.shape[1], topk,
                        idx.shape[0], float(weight_scale), rounds)
-    return launch(k, [np.asarray(qr_q).astype(np.int8), np.asarray(qr_scale, np.float32).reshape(rows, 1),
-                      np.asarray(wq_b).astype(np.int8), np.asarray(wq_b_scale, np.float32).reshape(1, -1),
-                      x.astype(BF16), weights_proj.astype(BF16), cos.astype(BF16), sin.astype(BF16),
+    per_head = [np.repeat(np.asarray(v, np.float32).reshape(rows, -1), heads, axis=0) for v in (qr_scale, cos, sin)]
+    channel_scale = np.tile(np.asarray(wq_b_scale, np.float32).reshape(heads, dim), (rows, 1))
+    key_bias = np.where(candidates >= 0, np.float32(0), np.float32(MASKED_SCORE))
+    return launch(k, [np.asarray(qr_q).astype(np.int8), per_head[0], np.asarray(wq_b).astype(np.int8), channel_scale,
+                      x.astype(BF16), weights_proj.astype(BF16), per_head[1].astype(BF16), per_head[2].astype(BF16),
                       np.asarray(hadamard).astype(BF16), np.asarray(idx).astype(np.int8),
-                      np.asarray(idx_scale, np.float32).reshape(-1), candidates,
-                      Out((rows, topk), np.int32, "top")])
+                      np.asarray(idx_scale, np.float32).reshape(-1), np.maximum(candidates, 0), key_bias,
+                      np.zeros((1, MIN_COLUMNS), np.int32), Out((rows, topk), np.int32, "top")])

@@ -66,10 +66,40 @@ T = TypeVar("T")
 BF16 = ml_dtypes.bfloat16
 #: Pair rows per expert tile: the cube's 16-row fractal. Each expert's pairs are padded to whole tiles.
 PAIR_TILE = 16
-#: Vector tile (rows, columns) of both kernels.
+#: Vector tile (rows, columns) of the experts kernel (the gate's are below).
 VEC_ROWS, VEC_COLS = 16, 128
-#: Cube tile caps: M rows, K depth (L0A / L0B hold 64 KB: an int8 [256, 128] B tile is 32 KB) and N columns.
+#: Cube tile caps: M rows, K depth and N columns. L0A / L0B hold 64 KB each: an int8 [256, 128] B tile is 32 KB,
+#: an fp32 one (the gate's weights) 128 KB, so the K depth shrinks with the operand width (:func:`_cube`).
 CUBE_M, CUBE_K, CUBE_N = 128, 256, 128
+L0_BYTES = 64 * 1024
+#: A2/A3's L1 (512 KB) and cube cores per die (``A2A3.ini``; the cost model: 24 AIC, 48 AIV).
+L1_BYTES = 512 * 1024
+CUBE_CORES = 24
+# The gate's tiles were chosen with pypto's cost model (benchmarks/bench_pypto.py --stages moe_gate, FLASH:
+# D = 4096, Ep = 256, top-6; roofline 7.5k cycles), L = 128 / L = 16: 415,657 / 457,873 cycles with (16, 128)
+# vector tiles everywhere and (128, 128, 128) cube tiles -> 259k at L = 128 with whole 4-row tiles before the
+# matmul (was 256 + 215 + 41 tasks) -> 233k with whole [16, Ep] score tiles -> 102k with cube tiles of
+# (32, 256 deep over a 1024-deep L1 panel, 64) and [4, Ep] score tiles -> 90.6k with relu -> 88.9k without the
+# arange task -> 87.2k with 48-column N tiles -> 87.1k with in-task column indices; L = 16: 61.0k. The model
+# charges each copy into a core's buffer ~1.4k cycles plus ~95 B/cycle, so a gate cube task costs about its
+# operand bytes ((tm + tn) * D * 4)
+# and the span is one wave of at most CUBE_CORES tasks: (128, 128) tiles were 2 tasks of 137k, (64, 64) 8 of
+# 36k, (32, 64) 16 of 30k, (32, 48) 24 of 27k; (32, 32) with a 2048-deep panel is 32 tasks (two waves, 101k in
+# all), and panels beyond L1 spill (214k). What remains is mostly fixed: ~9.4k to start the kernel, ~6k to end
+# it, ~3-5k per hand-over between the vector, cube and vector stages, and the scheduler's ~200 cycles per task
+# started. Tried and slower: merging vector tasks (vec_nbuffer_setting: no change or worse), cube merging (2:
+# 179k at 150k), cube_l1_reuse_setting (2: no gain), 2-row pre tiles (no spill, but 64 tasks: 96.9k at 93.5k),
+# [2, Ep] or [8, Ep] score tiles (129k / 95k at 88.9k; [8, Ep] 94.4k at 87.1k: the products regroup into an
+# extra vector stage), bias and host column indices copied as one [2, Ep] tile (a task of its own: 91.8k at
+# 87.2k).
+#: fp32 elements of a gate vector tile before the matmul: whole rows (the RMS and int8 reductions run in one task),
+#: 4 rows at D = 4096 (8 rows overflow the 192 KB UB).
+GATE_ROW_ELEMENTS = 16384
+#: Rows of a score / top-k tile (whole Ep rows): at L = 128, (16, 256) 29k cycles per task, (8, 256) 18k, (4, 256)
+#: 12.7k (32 tasks, one wave on the 48 vector cores), (2, 256) two waves.
+GATE_SCORE_ROWS = 4
+#: Largest M tile of the gate's cube (a row block's x rows are copied once per N tile, the weights once per M tile).
+GATE_M = 32
 
 
 def _padded(n: int) -> int:
@@ -90,21 +120,35 @@ def _pypto() -> Any:
     return pypto
 
 
-def _cube(m: int, k: int, n: int) -> None:
+def _cube(m: int, k: int, n: int, operand_bytes: int = 1) -> None:
+    """Cube tiles of an [m, k] x [n, k]^T product whose operands take ``operand_bytes`` per element: both
+    operand tiles fit L0A / L0B (an fp32 [256, 128] tile, 128 KB, fails to compile at FLASH's hidden size)."""
     from dspark_kernels.pypto._ops import tile
 
-    tk = tile(k, CUBE_K)
-    _pypto().set_cube_tile_shapes([tile(m, CUBE_M)] * 2, [tk, tk], [tile(n, CUBE_N)] * 2)
+    tm, tn = tile(m, CUBE_M), tile(n, CUBE_N)
+    tk = tile(k, min(CUBE_K, L0_BYTES // (max(tm, tn) * operand_bytes)))
+    _pypto().set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
 
 
-def _iota(n: int, rows: int) -> Any:
-    """fp32 [rows, n]: column index j in every row."""
-    pypto = _pypto()
-    saved = pypto.get_vec_tile_shapes()
-    pypto.set_vec_tile_shapes(n)  # arange needs a 1-D tile shape
-    j = pypto.cast(pypto.arange(n), pypto.DT_FP32)
-    pypto.set_vec_tile_shapes(*saved)
-    return pypto.expand_clone(pypto.reshape(j, [1, n]), [rows, n])
+def _pow2_floor(n: int) -> int:
+    """Largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def _gate_cube(rows: int, hidden: int, experts: int) -> None:
+    """Cube tiles of the gate's fp32 [T, D] x [Ep, D]^T product (module constants above: :data:`GATE_M`)."""
+    from dspark_kernels.pypto._ops import tile
+
+    tm = tile(rows, GATE_M)
+    m_tiles = -(-rows // tm)
+    tn = 16
+    while m_tiles * -(-experts // tn) > CUBE_CORES and tn < experts:
+        tn += 16
+    tk = tile(hidden, L0_BYTES // (max(tm, tn) * 4))
+    panel = tk
+    while panel * 2 <= hidden and (tm + tn) * panel * 2 * 4 <= L1_BYTES:
+        panel *= 2
+    _pypto().set_cube_tile_shapes([tm, tm], [tk, panel], [tn, tn])
 
 
 def _first_max_rounds(biased: Any, scores: Any, iota: Any, slots: int) -> tuple[list[Any], list[Any]]:
@@ -150,11 +194,12 @@ def _route_weights(vals: list[Any], renormalise: bool, scale: float) -> list[Any
     return [pypto.mul(v, scale) for v in vals]
 
 
-def _columns(parts: list[Any], width: int, pad: float) -> Any:
-    """[T, width] fp32 whose column k is ``parts[k]`` [T, 1], ``pad`` beyond them."""
+def _columns(parts: list[Any], iota: Any, pad: float) -> Any:
+    """[T, width] fp32 whose column k is ``parts[k]`` [T, 1], ``pad`` beyond them; ``iota`` [T, width] fp32:
+    column indices."""
     pypto = _pypto()
-    rows = parts[0].shape[0]
-    col = _iota(width, rows)
+    rows, width = iota.shape
+    col = iota
     out = pypto.full([rows, width], pad, pypto.DT_FP32)
     for k, part in enumerate(parts):
         out = pypto.where(pypto.eq(col, float(k)), pypto.expand_clone(part, [rows, width]), out)
@@ -203,6 +248,7 @@ def gate_kernel(rows: int, hidden: int, experts: int, slots: int, vocab: int, no
     ep, kp = _padded(experts), _padded(slots)
     hashed = vocab > 0
     table_rows = max(vocab, 1)
+    pre_rows = _pow2_floor(min(rows, max(1, GATE_ROW_ELEMENTS // hidden)))
 
     @kernel
     def gate(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
@@ -213,7 +259,7 @@ def gate_kernel(rows: int, hidden: int, experts: int, slots: int, vocab: int, no
              x_q: pypto.Tensor([rows, hidden], pypto.DT_INT8), x_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
              ids: pypto.Tensor([rows, kp], pypto.DT_INT32), weights: pypto.Tensor([rows, kp], pypto.DT_FP32)):
         _sizes = (rows, hidden, ep, kp, table_rows)  # closure capture: the annotations read these
-        pypto.set_vec_tile_shapes(VEC_ROWS, VEC_COLS)
+        pypto.set_vec_tile_shapes(pre_rows, hidden)  # whole rows: each row's reductions in one task
         xf = pypto.cast(x, pypto.DT_FP32)
         if normed:  # deferred RMSNorm: xg = x * norm, inv_rms rides the logits and the int8 scale
             ssq = pypto.sum(pypto.mul(xf, xf), -1, keepdim=True)                               # [T, 1]
@@ -223,23 +269,30 @@ def gate_kernel(rows: int, hidden: int, experts: int, slots: int, vocab: int, no
         else:
             xg = xf
         q8, dq = int8_rows(xg)
-        _cube(rows, hidden, ep)
+        _gate_cube(rows, hidden, ep)
         logits = pypto.matmul(xg, gate_w, pypto.DT_FP32, b_trans=True)                        # [T, Ep]
+        pypto.set_vec_tile_shapes(min(rows, GATE_SCORE_ROWS), ep)  # whole rows: the top-k rounds in one task
         if normed:
             logits = pypto.mul(logits, inv)
             dq = pypto.mul(dq, inv)
         x_q[:] = q8
         x_scale[:] = dq
-        softplus = pypto.add(pypto.maximum(logits, pypto.full(logits.shape, 0.0, pypto.DT_FP32)),
+        # relu, not maximum(logits, 0): the model prices that binary maximum at ~5k cycles per tile (12.7k -> 9.4k
+        # per score task)
+        softplus = pypto.add(pypto.relu(logits),
                              pypto.log1p(pypto.exp(pypto.neg(pypto.abs(logits)))))
         scores = pypto.sqrt(softplus)
-        iota = _iota(ep, rows)
+        # column indices j = cumsum(1) - 1 (exact: integers below 2**24) inside each score task: an arange is a task
+        # of its own with one dependency per score task (90.6k cycles), indices from the host one more copy per
+        # score task (88.9k, 87.2k with today's cube tiles), this 87.1k
+        iota = pypto.sub(pypto.cumsum(pypto.full([rows, ep], 1.0, pypto.DT_FP32), -1), 1.0)
         if hashed:
             picked, vals = _hash_rounds(pypto.index_select(tid2eid, 0, token_ids), scores, iota, slots)
         else:
             picked, vals = _first_max_rounds(pypto.add(scores, bias), scores, iota, slots)
-        ids[:] = pypto.cast(_columns(picked, kp, -1.0), pypto.DT_INT32)
-        weights[:] = _columns(_route_weights(vals, renormalise, route_scale), kp, 0.0)
+        col = pypto.view(iota, [rows, kp], [0, 0])  # one iota for both outputs (each used to copy its own)
+        ids[:] = pypto.cast(_columns(picked, col, -1.0), pypto.DT_INT32)
+        weights[:] = _columns(_route_weights(vals, renormalise, route_scale), col, 0.0)
 
     return gate
 

@@ -1,12 +1,17 @@
-"""The kernel benchmark's smoke run works end to end (its timings are printed, never asserted)."""
+"""The kernel benchmarks: bench_kernels' smoke run works end to end (its timings are printed, never asserted);
+bench_pypto's layer, forward and packing sums count every stage it prices and combine the figures as stated."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,3 +29,103 @@ def test_quick_benchmark_runs(tmp_path):
     assert figures["packing"]["speedup_vs_one_each"] > 0 and figures["packing"]["speedup_vs_padded"] > 0
     assert figures["memory"]["peak_gib"] > 0
     assert "packed is" in proc.stdout and "peak" in proc.stdout
+
+
+def _bench_pypto():
+    """benchmarks/bench_pypto.py as a module (benchmarks/ is not a package the tests import from)."""
+    spec = importlib.util.spec_from_file_location("bench_pypto_under_test", ROOT / "benchmarks" / "bench_pypto.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.pypto  # reads the rates from pypto's A2A3.ini; runs no kernel
+def test_pypto_bench_layers_name_every_stage_and_combine_their_figures(capsys):
+    bench = _bench_pypto()
+    named = {stage for calls in bench.LAYER_STAGES.values() for stage, _ in calls}
+    named |= {stage for stage, _ in bench.FORWARD_ONCE}
+    assert named == set(bench.STAGES)  # every stage priced is counted somewhere, nothing counted is unpriced
+    shapes = ((64, 4, 1), (2048, 4, 32))
+    for shape in shapes:
+        assert all(bench.stage_roofline(stage, *shape) > 0 for stage in bench.STAGES), shape
+
+    # synthetic cost-model figures: every stage at 3x its roofline, one stage without a kernel
+    def table(p, tp, r, missing=()):
+        return {s: {"cycles": None if s in missing else 3 * bench.stage_roofline(s, p, tp, r),
+                    "roofline": bench.stage_roofline(s, p, tp, r)} for s in bench.STAGES}
+
+    sums = bench.layer_sums(table(2048, 4, 32, missing=("indexer",)), 2048)
+    assert sums["csa"]["missing"] == ["indexer"] and sums["swa"]["missing"] == sums["hca"]["missing"] == []
+    for kind in ("swa", "hca"):  # sums of 3x each term: 3x, up to fp64 rounding of a few dozen terms
+        assert sums[kind]["cycles"] == pytest.approx(3 * sums[kind]["roofline"], rel=1e-12)
+    full = bench.layer_sums(table(2048, 4, 32), 2048)
+    forward = bench.forward_estimate(table(2048, 4, 32), full, 2048, 4, tokens=8192)
+    assert forward["calls"] == 4 and forward["missing"] == []
+    layers = [bench.FLASH.layer_kind(i) for i in range(bench.FLASH.num_layers)]
+    per_call = sum(full[k]["cycles"] for k in layers) + sum(
+        n * 3 * bench.stage_roofline(s, 2048, 4, 32) for s, n in bench.FORWARD_ONCE)
+    assert forward["cycles_per_call"] == pytest.approx(per_call, rel=1e-12)
+    want = 8192 / (4 * per_call / (bench.CUBE_MHZ * 1e6)) / 4
+    assert forward["tokens_per_s_per_die"] == pytest.approx(want, rel=1e-12)
+    assert forward["roofline_tokens_per_s_per_die"] == pytest.approx(3 * want, rel=1e-12)
+    # one call of all 8192 rows reads every weight once instead of 4 times: its roofline is never slower
+    assert forward["one_call_roofline_tokens_per_s_per_die"] >= forward["roofline_tokens_per_s_per_die"]
+
+    # 32 x 64 tokens in one call of 2048 rows, or in 4 calls of 512 (8 requests each), vs 32 single calls
+    for rows, calls_per_layer in ((2048, 1), (512, 4)):
+        packed = bench.packing(table(rows, 4, rows // 64), table(64, 4, 1), rows, requests=32, tokens=64)
+        for kind, calls in bench.LAYER_STAGES.items():
+            one = sum(n * bench.stage_weight(s, rows) * 3 * bench.stage_roofline(s, rows, 4, rows // 64)
+                      for s, n in calls)
+            each = sum(n * bench.stage_weight(s, 64) * 3 * bench.stage_roofline(s, 64, 4, 1) for s, n in calls)
+            assert packed[kind]["calls"] == calls_per_layer
+            assert packed[kind]["ratio"] == pytest.approx(32 * each / (calls_per_layer * one), rel=1e-12)
+    assert "tokens/s per die" in capsys.readouterr().out
+
+
+@pytest.mark.pypto  # imports the bench (A2A3.ini); runs no kernel
+def test_pypto_bench_routing_picks_distinct_experts_uniformly():
+    bench = _bench_pypto()
+    moe = bench.FLASH.moe
+    ids = bench.uniform_routing(4096)
+    assert ids.shape == (4096, moe.num_experts_per_tok)
+    assert all(len(set(row)) == moe.num_experts_per_tok for row in ids.tolist())
+    counts = np.bincount(ids.ravel(), minlength=moe.n_routed_experts)
+    mean = ids.size / moe.n_routed_experts  # 96 per expert; binomial sd ~9.7, so 6 sd is ~58
+    assert np.abs(counts - mean).max() < 6 * np.sqrt(mean), counts
+    assert bench.expected_experts(1) == pytest.approx(moe.num_experts_per_tok)
+    assert bench.expected_experts(4096) == pytest.approx(moe.n_routed_experts, rel=1e-6)
+
+
+@pytest.mark.pypto  # imports the bench (A2A3.ini); runs no kernel
+def test_pypto_bench_reuses_an_earlier_runs_cycles_except_the_stages_run_again(tmp_path):
+    bench = _bench_pypto()
+    rows = {"shared_kv": {"cycles": 72044, "note": ""}, "indexer": {"cycles": 257650, "note": ""},
+            "moe_gate": {"cycles": None, "note": "failed: ..."}}
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"tp": 4, "geometries": {"table": [512, 4], "single": [64, 1]},
+                                   "table": rows, "single": {"shared_kv": {"cycles": 9000, "note": ""}}}))
+    tables = bench._earlier_tables(earlier, 4, {"indexer"})
+    assert set(tables) == {(512, 4), (64, 1)}
+    assert set(tables[(512, 4)]) == {"shared_kv"}  # the rerun stage and the failed one run again
+    assert tables[(64, 1)]["shared_kv"]["cycles"] == 9000
+    with pytest.raises(SystemExit, match="TP=4, not TP=2"):
+        bench._earlier_tables(earlier, 2, set())
+    broken = tmp_path / "broken.json"
+    broken.write_text("{}")
+    with pytest.raises(SystemExit, match="not a bench_pypto --json file"):
+        bench._earlier_tables(broken, 4, set())
+
+
+@pytest.mark.pypto  # one cost-model compile of the gate at FLASH sizes in a child process (~10 s)
+def test_the_moe_gate_compiles_at_flash_sizes(monkeypatch):
+    # its fp32 operands once took [256, 128] cube tiles (128 KB) and failed to compile past L0B's 64 KB
+    from dspark_kernels.pypto.isolate import run_isolated
+
+    bench = _bench_pypto()
+    monkeypatch.setenv("DSPARK_PYPTO_COST_ONLY", "1")  # the child inherits it: cycles only, no interpreter
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the child imports the bench as benchmarks.bench_pypto
+    from benchmarks.bench_pypto import stage_cycles
+
+    cycles = run_isolated(stage_cycles, "moe_gate", 64, 4, 1)
+    assert cycles > bench.stage_roofline("moe_gate", 64, 4, 1)

@@ -25,6 +25,16 @@ def projections_many(cases: list[tuple]) -> list[list[np.ndarray]]:
     return out
 
 
+def shared_kv_slices(x: np.ndarray, wkv: np.ndarray, kv_norm: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                     eps: float) -> tuple[np.ndarray, int]:
+    """(kv [P, D] of the shared kv kernel, the number of K slices its product was split into)."""
+    from dspark_kernels.pypto.projections import KV_K_L0, KV_K_SLICES, _k_slices, run_shared_kv, tile
+
+    kv = run_shared_kv(x, wkv, kv_norm, cos, sin, eps).values[-1][:, 0].astype(np.float32)
+    hidden = x.shape[1]
+    return kv, len(_k_slices(hidden, tile(hidden, KV_K_L0), KV_K_SLICES))
+
+
 def scatter_many(cases: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     """New pools after ``pool[slots] = values`` for each (pool, values, slots)."""
     from dspark_kernels.pypto.paged import run_scatter

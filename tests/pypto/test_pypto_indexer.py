@@ -46,12 +46,15 @@ def test_lightning_topk_matches_reference_as_sets():
     holed = batch.tables["idx"].copy()
     holed[0, 1] = -1  # request 0's entries 32..63 unmapped
     cases, expected = [], []
-    # the last case selects in 4 rounds of 2, as k = 512 (FLASH) does in 4 rounds of 128
-    for rank, table, rounds in ((0, batch.tables["idx"], 1), (1, batch.tables["idx"], 1), (0, holed, 1),
-                                (0, batch.tables["idx"], 4)):
+    # the fourth case selects in 4 rounds of 2, as k = 512 (FLASH) does in 4 rounds of 128; the last ones repeat
+    # the rank's 5 rows to 10 and 20, so the kernel's loop runs whole blocks of ROW_BLOCK rows
+    for rank, table, rounds, reps in ((0, batch.tables["idx"], 1, 1), (1, batch.tables["idx"], 1, 1),
+                                      (0, holed, 1, 1), (0, batch.tables["idx"], 4, 1),
+                                      (1, batch.tables["idx"], 4, 2), (0, batch.tables["idx"], 1, 4)):
         view = batch.rank(rank)
-        x = x_all[view.row_start:view.row_stop]
-        pos, req = view.positions.astype(np.int64), view.local_request_ids.astype(np.int64)
+        x = np.tile(x_all[view.row_start:view.row_stop], (reps, 1))
+        pos = np.tile(view.positions.astype(np.int64), reps)
+        req = np.tile(view.local_request_ids.astype(np.int64), reps)
         cos, sin = rope_at(CONFIG, "csa", pos, "a2a3")
         lrq = low_rank_query(x, w, CONFIG.rms_norm_eps, "a2a3")
         iq = index_query(lrq, x, w, cos, sin, CONFIG.index_n_heads, CONFIG.index_weight_scale, "a2a3")

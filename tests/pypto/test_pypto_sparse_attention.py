@@ -35,6 +35,9 @@ CORE_MEAN_ATOL = 1e-3
 #: the HCA case takes window and compressed keys in one shared tile (the single-pass path).
 CSA_KEY_TILE = 8
 HCA_KEY_TILE = 128
+#: Key tiles whose widths are not multiples of 8 columns (the kernel's softmax tiles are then wider than their
+#: block): the CSA case's 16 window columns as 12 + 4, then its compressed columns in 12s (several online steps).
+UNALIGNED_KEY_TILE = 12
 
 
 def _cases():
@@ -65,7 +68,9 @@ def test_entry_rows_match_reference():
 
 
 def test_sparse_attention_core_matches_reference():
-    cases = _cases()
+    unaligned = attention_core_inputs(long_batch(), 1, 0, SEED, UNALIGNED_KEY_TILE)
+    assert unaligned["window"].shape[1] % UNALIGNED_KEY_TILE % 8 != 0
+    cases = [*_cases(), unaligned]
     results = run_isolated(pypto_cases.sparse_attention_many, [
         (d["q"], d["window"], d["cmp_rows"], d["ori"], d["cmp"], d["sink"], d["cos"], d["sin"], d["scale"],
          d["key_tile"]) for d in cases])
