@@ -36,7 +36,6 @@ top-k (the attention core's pattern: few tasks with one consumer each).
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
 import math
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -44,8 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark_kernels.pypto._ops import MASKED_SCORE, MIN_COLUMNS, int8_rows, rope_rows, tile
-from dspark_kernels.pypto.runtime import LaunchResult, Out, jit_options, launch, pypto
-from dspark_kernels.pypto.sparse_attention import MAX_STITCH
+from dspark_kernels.pypto.runtime import LaunchResult, Out, launch, pypto, stitched_kernel
 
 BF16 = ml_dtypes.bfloat16
 #: Largest k pypto 0.2.0's ``topk`` supports.
@@ -107,18 +105,6 @@ def _select(score: Any, topk: int, rounds: int) -> tuple[Any, Any]:
     return pypto.concat(values, -1), pypto.concat(picked, -1)
 
 
-def _stitched_kernel(iterations: int) -> Callable[[Callable[..., Any]], Any]:
-    """``runtime.kernel`` with the query side and its ``iterations`` loop iterations in one stitch."""
-    options = jit_options()
-    options["runtime_options"] = {**options.get("runtime_options", {}),
-                                  "stitch_function_max_num": min(iterations + 1, MAX_STITCH)}
-
-    def decorate(fn: Callable[..., Any]) -> Any:
-        return pypto.frontend.jit(**options)(fn)
-
-    return decorate
-
-
 @lru_cache(maxsize=16)
 def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, rope: int, columns: int,
                    topk: int, pool_rows: int, weight_scale: float, rounds: int = 0) -> Any:
@@ -136,7 +122,7 @@ def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, ro
     quant = tuple(min(t, n) for t, n in zip(QUANT_TILE, (rows * heads, dim), strict=True))
     head_sum = tuple(min(t, n) for t, n in zip(HEAD_SUM_TILE, (heads, columns), strict=True))
 
-    @_stitched_kernel(rows // block)
+    @stitched_kernel(rows // block + 1)
     def lightning_indexer(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
             qr_q: pypto.Tensor([rows, q_rank], pypto.DT_INT8),
             qr_scale: pypto.Tensor([rows * heads, 1], pypto.DT_FP32),

@@ -41,7 +41,6 @@ case (357,553 cycles, 7.3x of the roofline) and 730,614 cycles (5.6x) on the CSA
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
-from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -49,7 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from dspark_kernels.pypto._ops import MASKED_SCORE, MIN_COLUMNS, rope_rows
-from dspark_kernels.pypto.runtime import LaunchResult, Out, jit_options, launch, pypto
+from dspark_kernels.pypto.runtime import LaunchResult, Out, launch, pypto, stitched_kernel
 
 BF16 = ml_dtypes.bfloat16
 #: Start of the running maximum. Real logits are q.k * D^-0.5 with RMS-normalised q and keys (|logit| is of
@@ -81,10 +80,6 @@ FINAL_TILE = (64, 256)
 #: ``sg_set_scope`` id of the final vector ops: one task per query instead of one per column tile plus the RoPE
 #: table broadcasts (1,024 -> 640 tasks, 234k -> 162k cycles on the HCA case).
 FINAL_SCOPE = 1
-#: pypto keeps at most 10 iterations of a loop in flight unless ``stitch_function_max_num`` allows more (the
-#: HCA case, 128 queries: 629k cycles by default, 252k with 32, 169k with 64, 148k with 128 or 256); 1024 is
-#: its maximum, more rows run in several stitches.
-MAX_STITCH = 1024
 
 
 Segment = tuple[str, int, int]
@@ -112,18 +107,6 @@ def _softmax_rows(heads: int, cols: int) -> int:
     return rows
 
 
-def _stitched_kernel(rows: int) -> Callable[[Callable[..., Any]], Any]:
-    """``runtime.kernel`` with every query's loop iteration in one stitch (:data:`MAX_STITCH`)."""
-    options = jit_options()
-    options["runtime_options"] = {**options.get("runtime_options", {}),
-                                  "stitch_function_max_num": max(1, min(rows, MAX_STITCH))}
-
-    def decorate(fn: Callable[..., Any]) -> Any:
-        return pypto.frontend.jit(**options)(fn)
-
-    return decorate
-
-
 @lru_cache(maxsize=16)
 def sparse_attention_kernel(rows: int, heads: int, dim: int, window: int, compressed: int, ori_rows: int,
                             cmp_rows_n: int, rope: int, scale: float, tile: int = DEFAULT_KEY_TILE) -> Any:
@@ -132,7 +115,7 @@ def sparse_attention_kernel(rows: int, heads: int, dim: int, window: int, compre
     k_cols = max(compressed, 1)
     cmp_n = max(cmp_rows_n, 1)
 
-    @_stitched_kernel(rows)
+    @stitched_kernel(rows + 1)
     def sparse_attention(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
             q: pypto.Tensor([rows * heads, dim], pypto.DT_BF16),
             window_rows: pypto.Tensor([rows, window], pypto.DT_INT32),
