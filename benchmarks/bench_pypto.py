@@ -59,7 +59,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_abi.layout import KV_PAGE_SIZE, PoolLayout
-from dspark_abi.presets import FLASH
+from dspark_abi.presets import FLASH, FLASH_DSPARK
 from dspark_kernels.model.geometry import INDEX_RATIO, coff
 from dspark_kernels.pypto.isolate import run_isolated
 
@@ -181,9 +181,10 @@ LAYER_STAGES: dict[str, tuple[tuple[str, int], ...]] = {
     "hca": (*_SIDES, ("cmp128_state", 1), ("cmp128_state_scatter", 1), ("cmp128_pool", 1),
             ("cmp128_entry_scatter", 1), ("hca_entry_rows", 1), ("sparse_attn_hca", 1)),
 }
-#: Once per forward call: stage 1 (once per plan), the head, and hc_head after each DSpark target layer.
+#: Once per forward call: stage 1 (once per plan), the head, and hc_head after each DSpark target layer (the
+#: drafter's target features; FLASH_DSPARK has the FLASH schedule and three target layers).
 FORWARD_ONCE = (("lowering", 1), ("final_hidden", 1), ("lm_head", 1), ("greedy", 1),
-                ("hc_head", len(FLASH.dspark_target_layers)))
+                ("hc_head", len(FLASH_DSPARK.dspark_target_layers)))
 #: Distinct expert weight stacks the MoE experts kernel is given: its tiles keep their count and the uniform
 #: routing's tile sizes, their expert index is taken modulo this. The cost model prices a tile the same for
 #: every expert index (75 tiles at L = 16: 10,205,838 cycles with 4, 16 and 64 stacks), so the figure holds

@@ -203,8 +203,9 @@ def kernel(fn: Callable[..., Any]) -> Any:
 
 #: pypto keeps at most 10 iterations of a ``pypto.loop`` in flight unless ``stitch_function_max_num`` allows more
 #: (the attention core's HCA case, 128 queries: 629k cycles by default, 252k with 32, 169k with 64, 148k with 128
-#: or 256); 1024 is its maximum, longer loops run in several stitches.
-MAX_STITCH = 1024
+#: or 256). pypto accepts up to 1024, but the attention core's compile ended with SIGSEGV at 166 (TINY heads,
+#: 166 queries; 129 passed), so longer loops run in several stitches of 128.
+MAX_STITCH = 128
 
 
 def stitched_kernel(functions: int) -> Callable[[Callable[..., Any]], Any]:

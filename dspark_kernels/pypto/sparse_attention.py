@@ -115,7 +115,7 @@ def sparse_attention_kernel(rows: int, heads: int, dim: int, window: int, compre
     k_cols = max(compressed, 1)
     cmp_n = max(cmp_rows_n, 1)
 
-    @stitched_kernel(rows + 1)
+    @stitched_kernel(rows)
     def sparse_attention(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
             q: pypto.Tensor([rows * heads, dim], pypto.DT_BF16),
             window_rows: pypto.Tensor([rows, window], pypto.DT_INT32),
