@@ -307,6 +307,20 @@ def test_progress_bar_on_a_terminal(capsys, monkeypatch):
     assert "\r" in shown and "prefill" in shown and "4/4" in shown and "layer/s" in shown  # tqdm's bar
 
 
+def _drain(master: int, quiet_seconds: float = 2.0) -> str:
+    """Everything written to a pty so far: the kernel moves a pty's output to the master side asynchronously, so
+    one read right after the writes can see only its first part on a loaded machine."""
+    import select
+
+    chunks = []
+    while select.select([master], [], [], quiet_seconds)[0]:
+        chunk = os.read(master, 65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
 def test_progress_bar_on_a_terminal_that_reports_no_size(capsys, monkeypatch):
     """A bare pty says 0 x 0; tqdm's bar must still have text (it draws blanks when told 0 rows)."""
     pty = pytest.importorskip("pty")
@@ -316,7 +330,7 @@ def test_progress_bar_on_a_terminal_that_reports_no_size(capsys, monkeypatch):
     try:
         code, _, _ = invoke(capsys, "--request", "3@0")
         term.flush()
-        shown = os.read(master, 65536).decode()
+        shown = _drain(master)
     finally:
         term.close()
         os.close(master)
