@@ -39,8 +39,8 @@ Stages whose kernels do not exist yet are printed as ``missing`` and the sums na
 Usage: python benchmarks/bench_pypto.py [--quick] [--rows P] [--layer-rows P] [--tp TP] [--requests R]
 [--stages ...] [--tables-only] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
 ``--stages`` prints only their table; --quick: one table at P = 128 = 2 x 64 and one at P = 64, everything else
-the same). A full run takes hours on a 2-core machine, most of it the MoE experts kernel's cost model (its loop
-over expert tiles); ``--reuse`` an earlier ``--json`` file with ``--rerun`` the stages a change touched.
+the same). A full run took 25 minutes on the shared 2-core machine (the P = 64 table 11 of them, the MoE experts
+kernel at L = 128 under 3); ``--reuse`` an earlier ``--json`` file with ``--rerun`` the stages a change touched.
 """
 
 import argparse
@@ -187,16 +187,12 @@ FORWARD_ONCE = (("lowering", 1), ("final_hidden", 1), ("lm_head", 1), ("greedy",
                 ("hc_head", len(FLASH_DSPARK.dspark_target_layers)))
 #: Distinct expert weight stacks the MoE experts kernel is given: its tiles keep their count and the uniform
 #: routing's tile sizes, their expert index is taken modulo this. The cost model prices a tile the same for
-#: every expert index (75 tiles at L = 16: 10,205,838 cycles with 4, 16 and 64 stacks), so the figure holds
-#: for all 256 experts while the child process holds 16 x 24 MB of int8 weights instead of 6 GB.
+#: every expert index (75 tiles at L = 16: 10,205,838 cycles with 4, 16 and 64 stacks, measured when the routed
+#: loop and the combine were one kernel), so the figure holds for all 256 experts while the child process holds
+#: 16 x 24 MB of int8 weights instead of 6 GB.
 EXPERT_STACKS = 16
-#: Seconds one stage's child process may take. The experts kernel is the slow one: the cost model simulates its
-#: loop over the routing's expert tiles (75 tiles at L = 16: 2.5 minutes; 242 tiles at L = 128: over an
-#: hour on the shared 2-core machine). Its figure is not linear in the tiles, so it is never extrapolated from
-#: fewer: 96 synthetic tiles at L = 128 cost 28,878,082 cycles, 128 tiles 16,121,249 (the model's "resolve
-#: times" 321,291 vs 34,731: its scheduling of the loop, not the work, differs).
+#: Seconds one stage's child process may take (the slowest, the MoE experts at L = 128, took 157 s).
 STAGE_TIMEOUT_S = 3000
-EXPERTS_TIMEOUT_S = 4 * 3600
 
 
 def stage_rows(stage: str, p_rows: int, tp: int, requests: int = 1) -> int:
@@ -377,28 +373,18 @@ def routed_tiles(rows: int) -> int:
     return len(tiles.tile_expert)
 
 
-def _moe_cycles(stage: str, rows: int, stacks: int = EXPERT_STACKS, tiles: int | None = None) -> int | None:
-    """The MoE's two kernels over L rows (a learned-gate layer). Experts: the uniform routing's tiles, or
-    ``tiles`` tiles of the same shape (pair rows spread over the rows, every slot reading a tile row; the cost
-    model gives both the same figure: 10,205,838 cycles for 75 tiles at L = 16)."""
+def _moe_cycles(stage: str, rows: int, stacks: int = EXPERT_STACKS) -> int | None:
+    """The MoE's kernels over L rows (a learned-gate layer); the experts over the uniform routing's tiles."""
     import attrs
 
-    moe = _require("dspark_kernels.pypto.moe", "launch_gate", "launch_experts", "ExpertTiles", "Int8Experts",
-                   "PAIR_TILE")
+    moe = _require("dspark_kernels.pypto.moe", "launch_gate", "launch_experts", "ExpertTiles", "Int8Experts")
     c, m = FLASH, FLASH.moe
     x, inter, e, k = c.hidden_size, m.moe_intermediate_size, m.n_routed_experts, m.num_experts_per_tok
     if stage == "moe_gate":
         return moe.launch_gate(np.zeros((rows, x), np.float32), np.ones(x, np.float32), np.zeros((e, x), np.float32),
                                np.zeros(e, np.float32), None, None, slots=k, eps=c.rms_norm_eps,
                                route_scale=m.routed_scaling_factor, renormalise=m.norm_topk_prob)[-1]
-    if tiles is None:
-        routed = moe.ExpertTiles.build(uniform_routing(rows), np.full((rows, k), 1.0 / k, np.float32), e)
-    else:
-        slots = tiles * moe.PAIR_TILE
-        routed = moe.ExpertTiles(pair_rows=(np.arange(slots) % rows).astype(np.int32),
-                                 pair_w=np.full((slots, 1), 1.0 / k, np.float32),
-                                 tile_expert=np.arange(tiles, dtype=np.int32), experts=np.arange(tiles),
-                                 slot_pos=(np.arange(k * rows) % slots).astype(np.int32))
+    routed = moe.ExpertTiles.build(uniform_routing(rows), np.full((rows, k), 1.0 / k, np.float32), e)
     u = min(stacks, len(routed.experts))
     routed = attrs.evolve(routed, tile_expert=(routed.tile_expert % u).astype(np.int32), experts=routed.experts[:u])
     si = m.n_shared_experts * inter
@@ -415,10 +401,8 @@ def _price(stage: str, p_rows: int, tp: int, requests: int) -> tuple[int | None,
     """(cycles, note) of one stage from a child process."""
     from benchmarks.bench_pypto import stage_cycles as child  # run_isolated needs a function by import path
 
-    if stage != "moe_experts":
-        return run_isolated(child, stage, p_rows, tp, requests, timeout=STAGE_TIMEOUT_S), ""
-    note = f"{routed_tiles(p_rows // tp)} expert tiles"
-    return run_isolated(child, stage, p_rows, tp, requests, timeout=EXPERTS_TIMEOUT_S), note
+    note = f"{routed_tiles(p_rows // tp)} expert tiles" if stage == "moe_experts" else ""
+    return run_isolated(child, stage, p_rows, tp, requests, timeout=STAGE_TIMEOUT_S), note
 
 
 def _head_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
@@ -584,7 +568,8 @@ def measure(stages: list[str], p_rows: int, tp: int, requests: int, title: str,
     for stage in stages:
         start = time.perf_counter()
         if earlier is not None and stage in earlier:
-            cycles, note = earlier[stage]["cycles"], f"(earlier run) {earlier[stage]['note']}"
+            kept_note = earlier[stage]["note"].removeprefix("(earlier run) ")  # a reused file keeps one mark
+            cycles, note = earlier[stage]["cycles"], f"(earlier run) {kept_note}"
         elif same_p is not None and stage in same_p and stage not in REQUEST_DEPENDENT:
             kept = same_p[stage]
             cycles, note = kept["cycles"], f"(the R={kept['requests']} kernel) {kept['note']}"

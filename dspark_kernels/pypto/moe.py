@@ -5,7 +5,8 @@ routed experts grouped by expert, shared expert, combine (upstream's ``gate``, `
 Mirrors :func:`dspark_kernels.reference.moe.moe` with ``precision="a2a3"`` op for op (the numerics are stated
 there). T = the live rows (the host drops padding rows and returns zeros for them), D hidden, E experts
 (padded to Ep, a multiple of 8), K slots (padded to Kp, a multiple of 8 columns), I the expert width, SI the shared
-expert's width, U the experts the batch uses. Two kernel calls per layer:
+expert's width, U the experts the batch uses. Three kernels per layer: the gate, the routed experts (one call per
+at most :data:`MAX_TILES_PER_CALL` tiles) and the shared expert + combine:
 
 ``gate`` kernel:
 
@@ -24,10 +25,10 @@ tie order.
 Between the calls the host groups the (row, slot) pairs by expert (:class:`~dspark_kernels.model.experts.ExpertGroups`:
 metadata, a stable counting sort of ``ids``), pads each expert's rows to whole tiles of :data:`PAIR_TILE` and
 quantises the U experts used (:func:`~dspark_kernels.model.experts.expert_int8`). The expert count per tile is
-data the grouping produces, so the two calls cannot be one in pypto 0.2.0 (static shapes per call; on an NPU the
-tile count would be a dynamic dim read from the counts, upstream's ``recv_expert_count``).
+data the grouping produces, so the gate and the experts cannot be one call in pypto 0.2.0 (static shapes per
+call; on an NPU the tile count would be a dynamic dim read from the counts, upstream's ``recv_expert_count``).
 
-``experts`` kernel (NT tiles of TR = :data:`PAIR_TILE` pair rows):
+``routed`` kernel (NT tiles of TR = :data:`PAIR_TILE` pair rows: all the tiles, or one call's share of them):
 
 * ``x_q`` [T, D] int8, ``x_scale`` [T, 1] fp32 in (the gate's).
 * ``pair_rows`` [NT*TR] int32 in: the row of each padded pair slot (pad 0); ``pair_w`` [NT*TR, 1] fp32 in: its
@@ -35,15 +36,19 @@ tile count would be a dynamic dim read from the counts, upstream's ``recv_expert
   index into the stacks below.
 * ``w1``, ``w3`` [U*I, D] int8 and ``w1_scale``, ``w3_scale`` [U, I] fp32 in; ``w2`` [U*D, I] int8 and
   ``w2_scale`` [U, D] fp32 in (the used experts stacked, per-output-channel scales).
+* ``pairs`` [NT*TR, D] bf16 out: each padded pair slot's weighted expert output (upstream's ``recv_y``; pad 0).
+
+``combine`` kernel (the host concatenates the routed calls' ``pairs``: NP = all the tiles' pair slots):
+
+* ``x_q``, ``x_scale`` in as above.
 * ``s1``, ``s3`` [SI, D] int8, ``s1_scale``, ``s3_scale`` [1, SI] fp32; ``s2`` [D, SI] int8, ``s2_scale`` [1, D]
   fp32 in: the shared expert (absent when the layer has none).
-* ``slot_pos`` [K*T] int32 in: the padded slot of pair (t, k) at ``k*T + t``.
-* ``pairs`` [NT*TR, D] bf16 out: each padded pair slot's weighted expert output (upstream's ``recv_y``; pad 0).
+* ``pairs`` [NP, D] bf16 in; ``slot_pos`` [K*T] int32 in: the padded slot of pair (t, k) at ``k*T + t``.
 * ``out`` [T, D] bf16 out: ``bf16(shared + pairs[slot_pos[0]] + pairs[slot_pos[1]] + ...)``.
 
 The per-tile loop reads each tile's expert from ``tile_expert`` and views that expert's rows of the stacks at
 that offset (a runtime view offset), gathers its pair rows with ``index_select`` and writes its bf16 outputs
-into ``pairs``, which the combine gathers back per slot. ``pairs`` is an output because gathering from a
+into ``pairs``, which the combine gathers back per slot. ``pairs`` is a kernel output because gathering from a
 kernel-internal ``pypto.tensor`` buffer ends the 0.2.0 compiler with SIGSEGV. Importing this module imports
 neither torch nor pypto: the kernels are built in the process that runs them (``run`` below).
 """
@@ -66,7 +71,11 @@ T = TypeVar("T")
 BF16 = ml_dtypes.bfloat16
 #: Pair rows per expert tile: the cube's 16-row fractal. Each expert's pairs are padded to whole tiles.
 PAIR_TILE = 16
-#: Vector tile (rows, columns) of the experts kernel (the gate's are below).
+#: Expert tiles per routed-experts call. At FLASH sizes (D = 4096, I = 2048) the cost model's device simulation
+#: of 242 tiles in one call (L = 128 rows) fails its workspace allocation (F74001 "Slab alloc null") and never
+#: returns; 128 tiles ran (16.1M cycles), so longer lists run as several calls.
+MAX_TILES_PER_CALL = 128
+#: Vector tile (rows, columns) of the experts kernels (the gate's are below).
 VEC_ROWS, VEC_COLS = 16, 128
 #: Cube tile caps: M rows, K depth and N columns. L0A / L0B hold 64 KB each: an int8 [256, 128] B tile is 32 KB,
 #: an fp32 one (the gate's weights) 128 KB, so the K depth shrinks with the operand width (:func:`_cube`).
@@ -298,33 +307,26 @@ def gate_kernel(rows: int, hidden: int, experts: int, slots: int, vocab: int, no
 
 
 @lru_cache(maxsize=16)
-def experts_kernel(rows: int, hidden: int, inter: int, used: int, tiles: int, slots: int, shared: int,
-                   limit: float) -> Any:
-    """The routed + shared experts and combine jit kernel for one geometry; ``shared`` 0 = no shared expert."""
+def routed_kernel(rows: int, hidden: int, inter: int, used: int, tiles: int, limit: float) -> Any:
+    """The routed experts jit kernel for one geometry: ``tiles`` expert tiles into their ``pairs`` rows."""
     from dspark_kernels.pypto.runtime import kernel, pypto
 
     tr = PAIR_TILE
-    si = max(shared, 1)
 
     @kernel
-    def experts(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
-                x_q: pypto.Tensor([rows, hidden], pypto.DT_INT8), x_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
-                pair_rows: pypto.Tensor([tiles * tr], pypto.DT_INT32),
-                pair_w: pypto.Tensor([tiles * tr, 1], pypto.DT_FP32),
-                tile_expert: pypto.Tensor([tiles], pypto.DT_INT32),
-                w1: pypto.Tensor([used * inter, hidden], pypto.DT_INT8),
-                w1_scale: pypto.Tensor([used, inter], pypto.DT_FP32),
-                w3: pypto.Tensor([used * inter, hidden], pypto.DT_INT8),
-                w3_scale: pypto.Tensor([used, inter], pypto.DT_FP32),
-                w2: pypto.Tensor([used * hidden, inter], pypto.DT_INT8),
-                w2_scale: pypto.Tensor([used, hidden], pypto.DT_FP32),
-                s1: pypto.Tensor([si, hidden], pypto.DT_INT8), s1_scale: pypto.Tensor([1, si], pypto.DT_FP32),
-                s3: pypto.Tensor([si, hidden], pypto.DT_INT8), s3_scale: pypto.Tensor([1, si], pypto.DT_FP32),
-                s2: pypto.Tensor([hidden, si], pypto.DT_INT8), s2_scale: pypto.Tensor([1, hidden], pypto.DT_FP32),
-                slot_pos: pypto.Tensor([slots * rows], pypto.DT_INT32),
-                pairs: pypto.Tensor([tiles * tr, hidden], pypto.DT_BF16),
-                out: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
-        _sizes = (rows, hidden, inter, used, tiles, slots, si)  # closure capture: the annotations read these
+    def routed(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+               x_q: pypto.Tensor([rows, hidden], pypto.DT_INT8), x_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
+               pair_rows: pypto.Tensor([tiles * tr], pypto.DT_INT32),
+               pair_w: pypto.Tensor([tiles * tr, 1], pypto.DT_FP32),
+               tile_expert: pypto.Tensor([tiles], pypto.DT_INT32),
+               w1: pypto.Tensor([used * inter, hidden], pypto.DT_INT8),
+               w1_scale: pypto.Tensor([used, inter], pypto.DT_FP32),
+               w3: pypto.Tensor([used * inter, hidden], pypto.DT_INT8),
+               w3_scale: pypto.Tensor([used, inter], pypto.DT_FP32),
+               w2: pypto.Tensor([used * hidden, inter], pypto.DT_INT8),
+               w2_scale: pypto.Tensor([used, hidden], pypto.DT_FP32),
+               pairs: pypto.Tensor([tiles * tr, hidden], pypto.DT_BF16)):
+        _sizes = (rows, hidden, inter, used, tiles)  # closure capture: the annotations read these
         pypto.set_vec_tile_shapes(VEC_ROWS, VEC_COLS)
         for i in pypto.loop(tiles):
             e = tile_expert[i]
@@ -337,6 +339,28 @@ def experts_kernel(rows: int, hidden: int, inter: int, used: int, tiles: int, sl
             y = _down(_swiglu(gate, up, limit), pypto.view(pair_w, [tr, 1], [i * tr, 0]),
                       pypto.view(w2, [hidden, inter], [e * hidden, 0]), pypto.view(w2_scale, [1, hidden], [e, 0]))
             pypto.assemble(pypto.cast(y, pypto.DT_BF16), [i * tr, 0], pairs)
+
+    return routed
+
+
+@lru_cache(maxsize=16)
+def combine_kernel(rows: int, hidden: int, pair_slots: int, slots: int, shared: int, limit: float) -> Any:
+    """The shared expert + combine jit kernel for one geometry; ``shared`` 0 = no shared expert."""
+    from dspark_kernels.pypto.runtime import kernel, pypto
+
+    si = max(shared, 1)
+
+    @kernel
+    def combine(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+                x_q: pypto.Tensor([rows, hidden], pypto.DT_INT8), x_scale: pypto.Tensor([rows, 1], pypto.DT_FP32),
+                s1: pypto.Tensor([si, hidden], pypto.DT_INT8), s1_scale: pypto.Tensor([1, si], pypto.DT_FP32),
+                s3: pypto.Tensor([si, hidden], pypto.DT_INT8), s3_scale: pypto.Tensor([1, si], pypto.DT_FP32),
+                s2: pypto.Tensor([hidden, si], pypto.DT_INT8), s2_scale: pypto.Tensor([1, hidden], pypto.DT_FP32),
+                pairs: pypto.Tensor([pair_slots, hidden], pypto.DT_BF16),
+                slot_pos: pypto.Tensor([slots * rows], pypto.DT_INT32),
+                out: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
+        _sizes = (rows, hidden, pair_slots, slots, si)  # closure capture: the annotations read these
+        pypto.set_vec_tile_shapes(VEC_ROWS, VEC_COLS)
         if shared > 0:
             h = _swiglu(_w8a8(x_q, x_scale, s1, s1_scale), _w8a8(x_q, x_scale, s3, s3_scale), limit)
             acc = pypto.cast(pypto.cast(_down(h, None, s2, s2_scale), pypto.DT_BF16), pypto.DT_FP32)
@@ -347,7 +371,7 @@ def experts_kernel(rows: int, hidden: int, inter: int, used: int, tiles: int, sl
             acc = pypto.add(acc, pypto.cast(back, pypto.DT_FP32))
         out[:] = pypto.cast(acc, pypto.DT_BF16)
 
-    return experts
+    return combine
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -452,13 +476,27 @@ class Int8Experts:
 
 
 def launch_experts(x_q: np.ndarray, x_scale: np.ndarray, tiles: ExpertTiles, w: Int8Experts, *, slots: int,
-                   limit: float) -> tuple[np.ndarray, int | None]:
-    """The experts kernel on numpy arrays: (out [T, D] bf16, cycles)."""
+                   limit: float, tiles_per_call: int = MAX_TILES_PER_CALL) -> tuple[np.ndarray, int | None]:
+    """The routed experts kernel (one call per ``tiles_per_call`` tiles at most) and the combine kernel on numpy
+    arrays: (out [T, D] bf16, cycles of all the calls; None outside sim mode)."""
     from dspark_kernels.pypto.runtime import Out, launch
 
     rows, hidden = x_q.shape
     used = len(tiles.experts)
     inter = w.w1.shape[0] // used
+    x_scale = np.asarray(x_scale, np.float32).reshape(rows, 1)
+    n = len(tiles.tile_expert)
+    calls = -(-n // max(1, tiles_per_call))
+    bounds = (np.arange(calls + 1) * n) // calls  # balanced: no short last call
+    parts, cycles = [], []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        pick = slice(lo * PAIR_TILE, hi * PAIR_TILE)
+        result = launch(routed_kernel(rows, hidden, inter, used, hi - lo, float(limit)),
+                        [x_q, x_scale, tiles.pair_rows[pick], tiles.pair_w[pick], tiles.tile_expert[lo:hi],
+                         w.w1, w.w1_scale, w.w3, w.w3_scale, w.w2, w.w2_scale,
+                         Out(((hi - lo) * PAIR_TILE, hidden), BF16, "pairs")])
+        parts.append(result.values[-1])
+        cycles.append(result.cycles)
     shared_args: list[np.ndarray]
     if w.shared is None:
         shared_args = [np.zeros((1, hidden), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, hidden), np.int8),
@@ -467,12 +505,11 @@ def launch_experts(x_q: np.ndarray, x_scale: np.ndarray, tiles: ExpertTiles, w: 
     else:
         shared_args = list(w.shared)
         width = w.shared[0].shape[0]
-    jit = experts_kernel(rows, hidden, inter, used, len(tiles.tile_expert), slots, width, float(limit))
-    result = launch(jit, [x_q, np.asarray(x_scale, np.float32).reshape(rows, 1), tiles.pair_rows, tiles.pair_w,
-                          tiles.tile_expert, w.w1, w.w1_scale, w.w3, w.w3_scale, w.w2, w.w2_scale, *shared_args,
-                          tiles.slot_pos, Out((len(tiles.pair_rows), hidden), BF16, "pairs"),
-                          Out((rows, hidden), BF16, "out")])
-    return result.values[-1], result.cycles
+    pairs = np.concatenate(parts)
+    result = launch(combine_kernel(rows, hidden, len(pairs), slots, width, float(limit)),
+                    [x_q, x_scale, *shared_args, pairs, tiles.slot_pos, Out((rows, hidden), BF16, "out")])
+    cycles.append(result.cycles)
+    return result.values[-1], None if None in cycles else sum(c for c in cycles if c is not None)
 
 
 # ---------------------------------------------------------------------------------------------- host entry
@@ -489,11 +526,12 @@ class MoEResult:
 
 def run_moe(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np.ndarray | None = None,
             token_ids: np.ndarray | None = None, live: np.ndarray | None = None,
-            run: Callable[..., Any] | None = None) -> MoEResult:
+            run: Callable[..., Any] | None = None, tiles_per_call: int = MAX_TILES_PER_CALL) -> MoEResult:
     """The reference's ``moe(x, weights, config, norm=, token_ids=, live=, precision="a2a3")`` through the kernels.
 
     ``run(func, *args, **kwargs)`` executes each kernel launcher (``run_isolated``: a child process per call;
-    None: in this process); the grouping and the expert weights are prepared in this process. Raises
+    None: in this process); the grouping and the expert weights are prepared in this process. ``tiles_per_call``:
+    expert tiles per routed-experts call (:func:`launch_experts`). Raises
     :class:`ABIError` for a scoring function other than ``sqrtsoftplus``, missing or out-of-range token ids on a
     hash layer, or ``tid2eid`` ids outside the experts.
     """
@@ -518,7 +556,7 @@ def run_moe(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np
         renormalise=moe.norm_topk_prob)
     tiles = ExpertTiles.build(ids, w, weights.w1.shape[0])
     y, expert_cycles = run(launch_experts, x_q, x_scale, tiles, Int8Experts.build(weights, tiles.experts),
-                           slots=k, limit=float(moe.swiglu_limit))
+                           slots=k, limit=float(moe.swiglu_limit), tiles_per_call=tiles_per_call)
     out[rows] = np.asarray(y, dtype=np.float32)
     return MoEResult(out, ids, w, (gate_cycles, expert_cycles))
 

@@ -63,6 +63,14 @@ def moe_many(cases: list[tuple]) -> list[tuple[np.ndarray, np.ndarray, np.ndarra
     return out
 
 
+def moe_in_calls(case: tuple, tiles_per_call: int) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' output with every routed tile in one call, and in calls of ``tiles_per_call`` tiles."""
+    x, w, norm, ids, live = case
+    one, split = (run_moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, tiles_per_call=n).out
+                  for n in (10**6, tiles_per_call))
+    return one, split
+
+
 # --- tests --------------------------------------------------------------------------------------------------
 
 def _check_output(got: np.ndarray, want: np.ndarray, live: np.ndarray) -> None:
@@ -96,6 +104,19 @@ def test_the_backend_runs_both_kernels_in_child_processes():
     _check_output(got, reference_moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="a2a3"), live)
     with pytest.raises(ValueError, match="a2a3"):
         PyptoAttention().moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="fp32")
+
+
+def test_routed_experts_split_over_several_calls_give_the_same_output():
+    """Long tile lists run as several routed calls (``MAX_TILES_PER_CALL``; FLASH at L = 128 has 242 tiles): each
+    tile's math is the same and the combine reads the concatenated pairs, so the output is bit-identical."""
+    case = _case(3, 1)
+    x, w, norm, ids, live = case
+    gate = quantized_gate(x[live], w, CONFIG, norm=norm, token_ids=ids[live])
+    tiles = len(ExpertTiles.build(gate.experts, gate.weights, CONFIG.moe.n_routed_experts).tile_expert)
+    assert tiles >= 3  # 2 tiles per call: at least two routed calls
+    one, split = run_isolated(moe_in_calls, case, 2)
+    np.testing.assert_array_equal(split, one)
+    _check_output(split, reference_moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="a2a3"), live)
 
 
 def test_bad_inputs_are_refused_before_any_kernel():
