@@ -187,11 +187,10 @@ FORWARD_ONCE = (("lowering", 1), ("final_hidden", 1), ("lm_head", 1), ("greedy",
                 ("hc_head", len(FLASH_DSPARK.dspark_target_layers)))
 #: Distinct expert weight stacks the MoE experts kernel is given: its tiles keep their count and the uniform
 #: routing's tile sizes, their expert index is taken modulo this. The cost model prices a tile the same for
-#: every expert index (75 tiles at L = 16: 10,205,838 cycles with 4, 16 and 64 stacks, measured when the routed
-#: loop and the combine were one kernel), so the figure holds for all 256 experts while the child process holds
-#: 16 x 24 MB of int8 weights instead of 6 GB.
+#: every expert index (75 tiles at L = 16: 3,999,813 cycles with 4, 16 and 64 stacks), so the figure holds for
+#: all 256 experts while the child process holds 16 x 24 MB of int8 weights instead of 6 GB.
 EXPERT_STACKS = 16
-#: Seconds one stage's child process may take (the slowest, the MoE experts at L = 128, took 157 s).
+#: Seconds one stage's child process may take (the slowest, the MoE experts at L = 128, took 92-157 s).
 STAGE_TIMEOUT_S = 3000
 
 

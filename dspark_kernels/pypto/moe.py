@@ -84,6 +84,14 @@ L0_BYTES = 64 * 1024
 #: A2/A3's L1 (512 KB) and cube cores per die (``A2A3.ini``; the cost model: 24 AIC, 48 AIV).
 L1_BYTES = 512 * 1024
 CUBE_CORES = 24
+#: K panel of the expert products kept in L1 (A and B panels together within :data:`L1_BYTES`, single-buffered).
+#: The cost model charges each copy into a core's buffer ~1.4k cycles, so a 256-deep panel (one copy per K step)
+#: priced the FLASH experts (D = 4096, I = 2048; cycles of the routed calls + combine, L = 16 / L = 128):
+#: 9,381,132 / 29,841,516 -> 1024-deep 4,576,068 at L = 16 -> 2048-deep 3,999,813 / 12,580,159; 4096-deep
+#: panels spill L1 (17,342,099 at L = 16). At 2048 deep: 64-column N tiles 6,235,599, 256-column 11,696,681;
+#: 512-deep L0 steps 3,955,478 / 12,449,201 (1 %: not taken), 128-deep 4,030,970. Exact either way: int8
+#: products accumulate in int32.
+EXPERT_K_PANEL = 2048
 # The gate's tiles were chosen with pypto's cost model (benchmarks/bench_pypto.py --stages moe_gate, FLASH:
 # D = 4096, Ep = 256, top-6; roofline 7.5k cycles), L = 128 / L = 16: 415,657 / 457,873 cycles with (16, 128)
 # vector tiles everywhere and (128, 128, 128) cube tiles -> 259k at L = 128 with whole 4-row tiles before the
@@ -131,12 +139,14 @@ def _pypto() -> Any:
 
 def _cube(m: int, k: int, n: int, operand_bytes: int = 1) -> None:
     """Cube tiles of an [m, k] x [n, k]^T product whose operands take ``operand_bytes`` per element: both
-    operand tiles fit L0A / L0B (an fp32 [256, 128] tile, 128 KB, fails to compile at FLASH's hidden size)."""
+    operand tiles fit L0A / L0B (an fp32 [256, 128] tile, 128 KB, fails to compile at FLASH's hidden size), and
+    both K panels (:data:`EXPERT_K_PANEL` deep at most) fit L1."""
     from dspark_kernels.pypto._ops import tile
 
     tm, tn = tile(m, CUBE_M), tile(n, CUBE_N)
     tk = tile(k, min(CUBE_K, L0_BYTES // (max(tm, tn) * operand_bytes)))
-    _pypto().set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
+    panel = max(tk, tile(k, min(EXPERT_K_PANEL, L1_BYTES // ((tm + tn) * operand_bytes))))
+    _pypto().set_cube_tile_shapes([tm, tm], [tk, panel], [tn, tn])
 
 
 def _pow2_floor(n: int) -> int:

@@ -117,15 +117,30 @@ def test_pypto_bench_reuses_an_earlier_runs_cycles_except_the_stages_run_again(t
         bench._earlier_tables(broken, 4, set())
 
 
-@pytest.mark.pypto  # one cost-model compile of the gate at FLASH sizes in a child process (~10 s)
-def test_the_moe_gate_compiles_at_flash_sizes(monkeypatch):
-    # its fp32 operands once took [256, 128] cube tiles (128 KB) and failed to compile past L0B's 64 KB
+def _flash_stage_cycles(monkeypatch, stage: str, p_rows: int, requests: int) -> int:
+    """One stage's cost-model cycles at FLASH sizes (TP = 4), as the bench prices it, in a child process."""
     from dspark_kernels.pypto.isolate import run_isolated
 
-    bench = _bench_pypto()
     monkeypatch.setenv("DSPARK_PYPTO_COST_ONLY", "1")  # the child inherits it: cycles only, no interpreter
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the child imports the bench as benchmarks.bench_pypto
     from benchmarks.bench_pypto import stage_cycles
 
-    cycles = run_isolated(stage_cycles, "moe_gate", 64, 4, 1)
-    assert cycles > bench.stage_roofline("moe_gate", 64, 4, 1)
+    return run_isolated(stage_cycles, stage, p_rows, 4, requests, timeout=900)
+
+
+@pytest.mark.pypto  # one cost-model compile of the gate at FLASH sizes in a child process (~10 s)
+def test_the_moe_gate_compiles_at_flash_sizes(monkeypatch):
+    # its fp32 operands once took [256, 128] cube tiles (128 KB) and failed to compile past L0B's 64 KB
+    cycles = _flash_stage_cycles(monkeypatch, "moe_gate", 64, 1)
+    assert cycles > _bench_pypto().stage_roofline("moe_gate", 64, 4, 1)
+
+
+@pytest.mark.pypto  # the experts at FLASH sizes, L = 128 (242 tiles: two routed calls), in a child (~1.5-3 min)
+def test_the_moe_experts_run_at_flash_sizes_in_several_routed_calls(monkeypatch):
+    # as one call of 242 tiles the cost model's simulation failed a workspace allocation and never returned
+    from dspark_kernels.pypto.moe import MAX_TILES_PER_CALL
+
+    bench = _bench_pypto()
+    assert bench.routed_tiles(128) > MAX_TILES_PER_CALL
+    cycles = _flash_stage_cycles(monkeypatch, "moe_experts", 512, 4)
+    assert cycles > bench.stage_roofline("moe_experts", 512, 4, 4)
