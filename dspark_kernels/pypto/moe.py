@@ -89,8 +89,9 @@ CUBE_CORES = 24
 #: priced the FLASH experts (D = 4096, I = 2048; cycles of the routed calls + combine, L = 16 / L = 128):
 #: 9,381,132 / 29,841,516 -> 1024-deep 4,576,068 at L = 16 -> 2048-deep 3,999,813 / 12,580,159; 4096-deep
 #: panels spill L1 (17,342,099 at L = 16). At 2048 deep: 64-column N tiles 6,235,599, 256-column 11,696,681;
-#: 512-deep L0 steps 3,955,478 / 12,449,201 (1 %: not taken), 128-deep 4,030,970. Exact either way: int8
-#: products accumulate in int32.
+#: 512-deep L0 steps 3,955,478 / 12,449,201 (1 %: not taken), 128-deep 4,030,970. Also tried: every tile of a
+#: routed call in flight (``stitched_kernel``): 3,914,895 / 12,401,701 (1.4 %: not taken); pypto's L1-reuse
+#: merge off: no change. Exact either way: int8 products accumulate in int32.
 EXPERT_K_PANEL = 2048
 # The gate's tiles were chosen with pypto's cost model (benchmarks/bench_pypto.py --stages moe_gate, FLASH:
 # D = 4096, Ep = 256, top-6; roofline 7.5k cycles), L = 128 / L = 16: 415,657 / 457,873 cycles with (16, 128)
