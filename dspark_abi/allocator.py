@@ -32,6 +32,7 @@ from dspark_abi.layout import (
     PoolName,
     live_pages,
     live_range,
+    page_span,
     table_column,
     touched_pages,
 )
@@ -225,8 +226,8 @@ class BlockAllocator:
                     req, page = touched_pages(pl, starts, ends, window)
                     table = np.full((rows.size, width), -1, dtype=np.int32)
                     table[req, table_column(pl, page, width)] = full[rows[req], table_column(pl, page, full.shape[1])]
-                    lo, _ = live_range(pl, starts, ends, window)
-                    live = (ends[at] > starts[at]) & (pages >= lo[at] // pl.page_size)   # new pages it reads
+                    first, _ = page_span(*live_range(pl, starts, ends, window), pl.page_size)
+                    live = (ends[at] > starts[at]) & (pages >= first[at])               # new pages it reads
                 else:
                     table = full[:, :width][rows]
                     live = pages < width                                            # empty requests' history
@@ -287,10 +288,7 @@ class BlockAllocator:
 
         Cost O(R + pages mapped now): the pages a request already holds are one run ``[first, end)``, so only
         the parts of its live range outside that run are enumerated, never its whole history."""
-        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
-        has = hi > lo
-        a = np.where(has, lo // pl.page_size, 0)
-        b = np.where(has, (hi - 1) // pl.page_size + 1, 0)
+        a, b = page_span(*live_range(pl, starts, ends, self.config.sliding_window), pl.page_size)
         first = np.where(fresh, 0, self._first[pl.name][rows])
         end = np.where(fresh, 0, self._end[pl.name][rows])
         below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
@@ -325,11 +323,11 @@ class BlockAllocator:
         has = hi > lo
         first = np.where(fresh, 0, self._first[pl.name][rows])
         end = np.where(fresh, 0, self._end[pl.name][rows])
-        new_first = lo // pl.page_size
+        new_first, new_end = page_span(lo, hi, pl.page_size)
         if pl.is_ring:  # the run's front is released when the request advances (or starts there when new)
             first = np.where(has & (fresh | (end <= first)), new_first,
                              np.where(has & (ends > starts), np.maximum(first, new_first), first))
-        end = np.where(has, np.maximum(end, (hi - 1) // pl.page_size + 1), end)
+        end = np.where(has, np.maximum(end, new_end), end)
         return first, end
 
     # ------------------------------------------------------------------ mutation

@@ -11,10 +11,20 @@
 ([0, 3, 7], [126, 127, 128, 30, 31, 32, 33, 0])
 >>> batch.rank(0).local_request_ids.tolist(), batch.rank(1).local_request_ids.tolist()
 ([0, 0, 0, 1], [1, 1, 1, -1])
+
+A built batch changes nothing yet: the serving loop runs the forward, then commits the step, which advances every
+request by all its rows (an uncommitted batch can simply be dropped and the step built again).
+
+>>> alloc.knows(0)
+False
+>>> builder.commit(batch)
+>>> alloc.cached_tokens(0), alloc.cached_tokens(1)
+(129, 34)
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -25,10 +35,11 @@ from dspark_abi.allocator import BlockAllocator, StepPlan
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.incremental import StepValidator
+from dspark_abi.incremental import Proposal, StepValidator
 from dspark_abi.layout import POOL_NAMES, physical_rows, written_logical
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
+from dspark_abi.requests import BatchRequests
 from dspark_abi.validation import EMPTY_BATCH_FIX
 
 
@@ -48,6 +59,16 @@ class StepRequests:
     cached: np.ndarray
     new: np.ndarray
     token_ids: np.ndarray | None = None
+
+
+@attrs.frozen(eq=False)
+class _Built:
+    """What committing one built batch needs: the batch (weakly: a dropped batch is forgotten), its allocator
+    plan and its step validator's proposal (None without a validator)."""
+
+    batch: weakref.ref[PackedBatch]
+    plan: StepPlan
+    proposal: Proposal | None
 
 
 @attrs.frozen
@@ -126,10 +147,12 @@ def _int_vector(value: Any, lo: int, hi: int) -> tuple[np.ndarray | None, str]:
 class BatchBuilder:
     """Collects the requests of one prefill step and builds its metadata.
 
-    ``build()`` maps pages through the allocator (all or nothing), derives slots from tables and
-    positions, pads to the TP geometry per policy, validates, and only then commits the allocation.
-    For chunked prefill, add the same request id in a later step with ``num_cached`` advanced by the
-    tokens of its earlier chunks; it keeps its tables.
+    ``build()`` plans pages through the allocator (all or nothing), derives slots from tables and
+    positions, pads to the TP geometry per policy and validates; it changes no allocator state. After the
+    forward, ``commit(batch)`` advances every request of the step by all its rows (the allocator maps the
+    step's pages and recycles the ring pages out of reach). A batch that is never committed can be dropped:
+    the same step can be built again. For chunked prefill, add the same request id in a later step with
+    ``num_cached`` advanced by the tokens of its earlier, committed chunks; it keeps its tables.
     """
 
     def __init__(self, config: ModelConfig, policy: PaddingPolicy, allocator: BlockAllocator, *,
@@ -151,6 +174,8 @@ class BatchBuilder:
         self.config, self.policy, self.allocator, self.validator = config, policy, allocator, validator
         self.fixed_ring = ring_width == "fixed"
         self._pending: list[tuple[Any, Any, Any, Any] | _Many] = []  # add() / add_many() arguments as given
+        self._built: dict[int, _Built] = {}          # id(batch) -> its commit, for the batches not committed yet
+        self._committed: dict[int, weakref.ref[PackedBatch]] = {}   # batches committed (to report a 2nd commit)
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
             ) -> None:
@@ -182,18 +207,52 @@ class BatchBuilder:
         self._pending.clear()
 
     def build(self, *, logit_rows: str | Sequence[int] | None = "last") -> PackedBatch:
-        """Validated batch of the queued requests; clears the queue on success.
+        """Validated batch of the queued requests; clears the queue on success. Allocates nothing: pass the
+        batch to :meth:`commit` once its forward ran.
 
         logit_rows: 'last' samples the last new token of every non-empty request (-1 for empty ones),
         None leaves them out, or an explicit list of group rows.
-        On any error nothing is allocated and the queue is kept, so the caller can fix and retry.
+        On any error nothing is planned and the queue is kept, so the caller can fix and retry.
         """
         step, rows = self._check_specs(list(self._pending), logit_rows)
         plan = self.allocator.plan(step.ids.tolist(), step.cached, step.cached + step.new)
-        batch = self._assemble(step, plan, rows)
-        self.allocator.commit(plan)
+        proposals: list[Proposal | None] = []
+        batch = self._assemble(step, plan, rows, proposals)
+        self._forget_dropped()
+        self._built[id(batch)] = _Built(weakref.ref(batch), plan, proposals[0] if proposals else None)
         self._pending.clear()
         return batch
+
+    def commit(self, batch: PackedBatch) -> None:
+        """Advance every request of ``batch`` (built by this builder) by all its rows: the allocator maps the
+        step's pages, recycles the ring pages out of reach and counts the rows as cached; the builder's step
+        validator takes the step as the baseline of the next one. Call it after the batch's forward.
+
+        Raises ``alloc.stale_plan`` (changing nothing) for a batch this builder did not build, one committed
+        already, or one another commit or release on the allocator overtook (build the step again)."""
+        built = self._built.get(id(batch))
+        if built is None or built.batch() is not batch:
+            done = self._committed.get(id(batch))
+            twice = done is not None and done() is batch
+            raise ABIError([Issue(
+                "alloc.stale_plan", "batch",
+                "the batch was committed already" if twice else "the batch was not built by this builder",
+                expected="a batch this builder built and did not commit yet",
+                actual="a committed batch" if twice else "a batch of another builder or made from arrays",
+                fix="commit each built batch once, with the builder that built it" if twice else
+                    "commit a batch with the BatchBuilder whose build() made it")])
+        self.allocator.commit(built.plan)            # alloc.stale_plan when another commit or release overtook it
+        del self._built[id(batch)]
+        self._forget_dropped()
+        self._committed[id(batch)] = built.batch
+        if self.validator is not None and built.proposal is not None:
+            self.validator.accept(built.proposal)
+
+    def _forget_dropped(self) -> None:
+        """Forget the batches nobody holds any more (they cannot be committed)."""
+        for book in (self._built, self._committed):
+            for key in [k for k, v in book.items() if (v.batch if isinstance(v, _Built) else v)() is None]:
+                del book[key]
 
     # ------------------------------------------------------------------ internals
     def _check_specs(self, queued: list[tuple[Any, Any, Any, Any] | _Many], logit_rows: Any
@@ -337,29 +396,32 @@ class BatchBuilder:
         each(exact & (have >= 0) & (cached != have), "num_cached",
              lambda i: f"request {ids[i]} continues after {have[i]} cached tokens, got num_cached={cached[i]}",
              lambda i: int(have[i]), lambda i: int(cached[i]),
-             lambda i: f"pass num_cached={have[i]} (the tokens its earlier chunks cached) or release request "
-                       f"{ids[i]} first")
+             lambda i: f"pass num_cached={have[i]} (the tokens its committed chunks cached); if an earlier "
+                       f"chunk of request {ids[i]} was built but not committed yet, commit it first "
+                       "(builder.commit(batch) after its forward)")
 
-    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None) -> PackedBatch:
+    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None,
+                  proposals: list[Proposal | None]) -> PackedBatch:
         layout, policy = self.config.layout, self.policy
         starts, lengths = step.cached, step.new
+        # a str is "last" (anything else was refused by _check_specs)
+        requests = BatchRequests.from_step(step.ids, starts, lengths, logit_rows)
         qsl = np.zeros(lengths.size + 1, dtype=np.int32)
-        np.cumsum(lengths, out=qsl[1:])
+        qsl[1:] = requests.row_end
         n = int(qsl[-1])
         p_rows = policy.padded_rows(n)
-        row_request = np.repeat(np.arange(lengths.size), lengths)                      # [N]
+        row_request = requests.owner_in(0, n)                                          # [N]
         pos = starts[row_request] + (np.arange(n) - qsl[:-1][row_request])             # [N]
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos
-        if p_rows > n:
-            positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
+        positions[n:] = policy.padding_positions(pos[-1] if n else 0, p_rows - n)
 
         # tables as narrow as the step's widest live range: O(R * pages used), not O(R * max positions)
         tables = self.allocator.step_tables(plan, starts, starts + lengths, fixed_ring=self.fixed_ring)
         slots = {}
         for p in POOL_NAMES:
             pl = layout.pools[p]
-            s = np.full(p_rows, -1, dtype=np.int64)
+            s = np.full(p_rows, policy.pad_slot, dtype=np.int64)
             s[:n] = physical_rows(tables[p], row_request, written_logical(pl, pos), pl.page_size, ring=pl.is_ring)
             slots[p] = s
 
@@ -367,12 +429,19 @@ class BatchBuilder:
         if step.token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = step.token_ids
-        # a str is "last" (anything else was refused by _check_specs)
-        rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32) if isinstance(logit_rows, str) else logit_rows
+        rows = requests.logit_row if isinstance(logit_rows, str) else logit_rows
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
         arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
         arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
         # validated on these private arrays (numpy memory, fast to gather from), then frozen: copied once
-        check = None if self.validator is None else self.validator.validate
-        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check)
+        check = None
+        if self.validator is not None:
+            validator = self.validator
 
+            def check(arrays: Any) -> Any:          # the step becomes the validator's baseline on commit only
+                report, proposal = validator.propose(arrays)
+                proposals.append(proposal)
+                return report
+
+        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check,
+                                       requests=requests)

@@ -70,7 +70,7 @@ import numpy as np
 from dspark_abi.batch import PackedBatch, freeze
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
-from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_range, table_column
+from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_range, page_span, table_column
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 from dspark_abi.rules import _check_pages, _check_slots, _check_width, _Owners, _pages_unshared, check_tokens
@@ -159,6 +159,16 @@ def _cells(pl: PoolLayout, table: np.ndarray, rows: np.ndarray, pages: np.ndarra
     return cells
 
 
+@attrs.frozen(eq=False)
+class Proposal:
+    """A step :meth:`StepValidator.propose` accepted but that is not the baseline yet: :meth:`StepValidator.accept`
+    makes it the baseline (after the step's commit); any other validation first puts the state back as it was."""
+
+    deltas: tuple[_Delta, ...]
+    before: _Accepted | None          # the baseline the step was checked against
+    after: _Accepted                  # what the step proved
+
+
 @attrs.frozen
 class _Delta:
     """One pool's change of the per-block state in this step (to undo it when the step is rejected)."""
@@ -174,7 +184,9 @@ class StepValidator:
 
     Construct once per serving loop with the loop's config, policy and pool blocks; call :meth:`validate` on every
     step's batch (or flat arrays) in order; :meth:`reset` forgets everything (e.g. after the caches were rebuilt).
-    Only accepted steps (``report.ok``) become the baseline of the next one. ``ring_pools="tracked"`` keeps state
+    Only accepted steps (``report.ok``) become the baseline of the next one. A loop that may drop a validated step
+    (build, drop, build again) uses :meth:`propose` and :meth:`accept` instead, as ``BatchBuilder`` does: the step
+    becomes the baseline only when it is committed. ``ring_pools="tracked"`` keeps state
     for the ring pools too (default ``"exact"``: they are checked in full, which is cheaper). See the module
     docstring for the design and its costs.
 
@@ -188,7 +200,9 @@ class StepValidator:
         ...     builder.add(0, 200 * step, 200)
         ...     if step < 2:
         ...         builder.add(1, 150 * step, 150)
-        ...     report = validator.validate(builder.build())
+        ...     batch = builder.build()
+        ...     report = validator.validate(batch)
+        ...     builder.commit(batch)              # the allocator advances once the step's forward ran
         ...     stats = validator.last_stats
         ...     print(report.ok, stats.fresh["csa_cmp"], stats.compared["csa_cmp"], stats.departed["csa_cmp"])
         True 4 0 0
@@ -212,6 +226,7 @@ class StepValidator:
         self._lock = threading.Lock()
         self._refs: dict[PoolName, _BlockRefs] = {}
         self._accepted: _Accepted | None = None
+        self._proposal: Proposal | None = None        # the step proposed last, applied to _refs, not accepted
         self.last_stats = StepStats()
         self.reset()
 
@@ -221,7 +236,7 @@ class StepValidator:
             self._reset()
 
     def _reset(self) -> None:
-        self._accepted = None
+        self._accepted = self._proposal = None
         blocks = self._blocks
         ring = self.ring_pools == "tracked"
         self._refs = {} if blocks is None else {
@@ -240,19 +255,54 @@ class StepValidator:
         validator's config, policy and pool blocks, also for a batch built with others). Never raises for bad
         data, never mutates its input; an accepted step becomes the baseline of the next call.
         """
+        report, proposal = self._validate(batch_or_arrays, hidden)
+        if proposal is not None:
+            self.accept(proposal)
+        return report
+
+    def propose(self, batch_or_arrays: PackedBatch | Mapping[str, Any], *, hidden: Any = None
+                ) -> tuple[ValidationReport, Proposal | None]:
+        """:meth:`validate`'s report, without making the step the baseline: a valid step returns a
+        :class:`Proposal` that :meth:`accept` makes the baseline (once the step is committed). Until then the
+        baseline stays the last accepted step: the next :meth:`validate` or :meth:`propose` call checks against it
+        (a proposal left unaccepted is dropped then)."""
+        return self._validate(batch_or_arrays, hidden)
+
+    def accept(self, proposal: Proposal) -> None:
+        """Make a proposed step the baseline of the next one. A proposal that is not the latest one (another step
+        was validated or proposed since) cannot be applied any more: the validator then forgets every step
+        (:meth:`reset`) and validates the next in full, with the same verdicts."""
+        with self._lock:
+            if proposal is self._proposal:
+                self._proposal = None
+            else:
+                self._drop_proposal()
+                self._reset()
+
+    def _drop_proposal(self) -> None:
+        """Put the state back as the last accepted step left it (a proposed step was never accepted)."""
+        proposal, self._proposal = self._proposal, None
+        if proposal is not None:
+            self._undo(list(proposal.deltas))
+            self._accepted = proposal.before
+
+    def _validate(self, batch_or_arrays: PackedBatch | Mapping[str, Any], hidden: Any
+                  ) -> tuple[ValidationReport, Proposal | None]:
         arrays = batch_or_arrays.to_arrays() if isinstance(batch_or_arrays, PackedBatch) else batch_or_arrays
         with self._lock:
+            self._drop_proposal()
             shape = validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden, level="shape")
             if not shape.ok or self._blocks is None:
-                return shape
+                return shape, None
             try:
                 return self._step(arrays, self._blocks, hidden)
             except _Overflow:
                 self._reset()
-                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden)
+                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden), None
 
     # ------------------------------------------------------------------ one step (shapes known to be right)
-    def _step(self, arrays: Mapping[str, Any], blocks: PoolBlocks, hidden: Any) -> ValidationReport:
+    def _step(self, arrays: Mapping[str, Any], blocks: PoolBlocks, hidden: Any
+              ) -> tuple[ValidationReport, Proposal | None]:
         config, window = self.config, self.config.sliding_window
         qsl: np.ndarray = arrays["query_start_loc"]
         n = int(qsl[-1])
@@ -280,10 +330,8 @@ class StepValidator:
                     continue     # as validate_arrays: no page or slot rule of this pool (the step is rejected)
                 refs = self._refs.get(p)
                 if refs is not None:
-                    lo, hi = live_range(pl, start, end, window)
-                    has = ok_req & (hi > lo)
-                    first[p] = np.where(has, lo // pl.page_size, 0)
-                    stop[p] = np.where(has, (hi - 1) // pl.page_size + 1, 0)
+                    span = page_span(*live_range(pl, start, end, window), pl.page_size)
+                    first[p], stop[p] = (np.where(ok_req, a, 0) for a in span)
                     delta, suspect = self._pool_delta(pl, refs, table, n_blocks, first[p], stop[p], match, handles)
                     deltas.append(delta)
                     suspect |= self._foreign_suspect(refs, pl, slot, n_blocks, row_request, ok_req, handles)
@@ -306,11 +354,13 @@ class StepValidator:
                                     {d.pool: d.compared for d in deltas})
         if issues:
             self._undo(deltas)
-            return ValidationReport(tuple(issues))
+            return ValidationReport(tuple(issues)), None
         order = np.argsort(ids, kind="stable")
-        self._accepted = _Accepted(ids[order], order, handles, first, stop,
-                                   {p: freeze(tables[p], TABLE_FIELDS[p]) for p in self._refs})
-        return ValidationReport(())
+        proposal = Proposal(tuple(deltas), self._accepted,
+                            _Accepted(ids[order], order, handles, first, stop,
+                                      {p: freeze(tables[p], TABLE_FIELDS[p]) for p in self._refs}))
+        self._proposal, self._accepted = proposal, proposal.after
+        return ValidationReport(()), proposal
 
     def _match(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([R] batch index of each request in the last accepted step or -1, [R] int64 handles >= 1)."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 from pydantic import Field, model_validator
 
 from dspark_abi._base import StrictModel, align_up
+from dspark_abi.layout import GROUP_CAPACITY
 
-#: Upstream's group capacity (the token all-gather window holds 8192 rows).
-DEFAULT_TOKEN_CAP = 8192
+#: Default largest N of a group: upstream's group capacity (:data:`dspark_abi.layout.GROUP_CAPACITY`).
+DEFAULT_TOKEN_CAP = GROUP_CAPACITY
 
 
 class PaddingPolicy(StrictModel):
@@ -22,7 +24,7 @@ class PaddingPolicy(StrictModel):
     tp_size: int = Field(default=1, ge=1, le=64)
     """Ranks in the TP group (TP); rank r owns rows [r*L, (r+1)*L)."""
     token_cap: int = Field(default=DEFAULT_TOKEN_CAP, ge=1)
-    """Largest N accepted (upstream's group capacity is 8192)."""
+    """Largest N accepted (default: upstream's group capacity, ``GROUP_CAPACITY``)."""
     pad_slot: Literal[-1] = -1
     """Slot-mapping value of padding rows in all seven mappings: never write (vLLM's PAD_SLOT_ID)."""
     pad_request_id: Literal[-1] = -1
@@ -51,3 +53,11 @@ class PaddingPolicy(StrictModel):
     def padded_rows(self, num_tokens: int) -> int:
         """P for N live tokens."""
         return align_up(num_tokens, self.tp_size)
+
+    def padding_positions(self, last_position: int, count: int) -> np.ndarray:
+        """[count] int64 positions of the padding rows after a last live row at ``last_position``: the one home
+        of the padding-position rule (the builder writes it, the validator and the kernels' input checks read
+        it). 'zero' gives 0s; 'continue' gives last_position + 1, + 2, ..."""
+        if self.pad_position == "zero":
+            return np.zeros(count, dtype=np.int64)
+        return int(last_position) + 1 + np.arange(count, dtype=np.int64)

@@ -122,10 +122,7 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
     pad = np.arange(n, n_rows)
     if pad.size == 0:
         return
-    if policy.pad_position == "zero":
-        want = np.zeros(pad.size, dtype=np.int64)
-    else:
-        want = int(positions[n - 1]) + 1 + np.arange(pad.size, dtype=np.int64)
+    want = policy.padding_positions(int(positions[n - 1]) if n else -1, pad.size)
     got = positions[n:].astype(np.int64)
     _flag(issues, "padding.position", "positions", got != want,
           f"padding rows take positions by policy pad_position={policy.pad_position!r}", index_of=pad,

@@ -28,8 +28,10 @@ def test_chunked_prefill_reuses_tables_and_continues_positions():
     builder, alloc = _builder(tp=2)
     builder.add(7, num_cached=0, num_new=50)
     first = builder.build()
+    builder.commit(first)
     builder.add(7, num_cached=50, num_new=30)
     second = builder.build()
+    builder.commit(second)
     assert second.positions[:30].tolist() == list(range(50, 80))
     def ori_block(batch, page):  # a ring table holds logical page i in column i % width
         return batch.tables.ori[0, page % batch.tables.ori.shape[1]]
@@ -48,7 +50,7 @@ def test_chunked_prefill_reuses_tables_and_continues_positions():
 def test_continuation_must_start_where_previous_chunk_ended():
     builder, _ = _builder()
     builder.add(0, num_cached=0, num_new=10)
-    builder.build()
+    builder.commit(builder.build())
     builder.add(0, num_cached=12, num_new=4)
     with pytest.raises(ABIError) as err:
         builder.build()
@@ -61,6 +63,7 @@ def test_state_ring_pages_are_recycled():
     for step in range(20):  # 20 chunks of 64 tokens: 1280 positions, far more than 300 state blocks hold
         builder.add(0, num_cached=64 * step, num_new=64)
         batch = builder.build()
+        builder.commit(batch)
         assert validate(batch).ok
         used.append((300 - alloc.free_blocks("csa_state"), 300 - alloc.free_blocks("ori")))
         assert alloc.held_blocks(0)["ori"] == used[-1][1]
@@ -74,7 +77,7 @@ def test_release_returns_every_block():
     builder, alloc = _builder()
     builder.add(0, num_cached=0, num_new=100)
     builder.add(1, num_cached=40, num_new=10)
-    builder.build()
+    builder.commit(builder.build())
     alloc.release(0)
     alloc.release(1)
     assert all(alloc.free_blocks(p) == 256 for p in ("ori", "csa_cmp", "hca_cmp", "idx", "csa_state",
@@ -207,7 +210,10 @@ def test_a_serving_loop_with_a_step_validator_builds_the_same_batches():
         for builder in (plain, checked):
             for rid, cached, new in requests:
                 builder.add(rid, num_cached=cached, num_new=new)
-        assert checked.build() == plain.build()
+        built = checked.build(), plain.build()
+        assert built[0] == built[1]
+        checked.commit(built[0])
+        plain.commit(built[1])
     # request 0 continues from the step before: the last step re-proved its new compressed pages only, not its
     # 100,024-entry history (a request absent from the previous step is checked afresh)
     assert validator.last_stats.compared["csa_cmp"] > 10 * max(1, validator.last_stats.fresh["csa_cmp"])
