@@ -294,7 +294,8 @@ class PackedBatch(BatchGeometry):
                 tables=RequestTables(**{p: arrays[f] for p, f in TABLE_FIELDS.items()}),
                 slots=SlotMappings(**{p: arrays[f] for p, f in SLOT_FIELDS.items()}),
                 request_ids=arrays.get("request_ids"), token_ids=arrays.get("token_ids"),
-                logit_rows=arrays.get("logit_rows"), requests=requests,
+                logit_rows=arrays.get("logit_rows"),
+                requests=requests,  # type: ignore[arg-type]  # None: derived in __attrs_post_init__
             )
         finally:
             _ALREADY_VALIDATED.reset(token)

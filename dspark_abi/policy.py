@@ -24,7 +24,7 @@ class PaddingPolicy(StrictModel):
     tp_size: int = Field(default=1, ge=1, le=64)
     """Ranks in the TP group (TP); rank r owns rows [r*L, (r+1)*L)."""
     token_cap: int = Field(default=DEFAULT_TOKEN_CAP, ge=1)
-    """Largest N accepted (default: upstream's group capacity, ``GROUP_CAPACITY``)."""
+    """Largest N accepted (upstream's group capacity is 8192)."""
     pad_slot: Literal[-1] = -1
     """Slot-mapping value of padding rows in all seven mappings: never write (vLLM's PAD_SLOT_ID)."""
     pad_request_id: Literal[-1] = -1

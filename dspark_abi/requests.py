@@ -112,7 +112,8 @@ class BatchRequests:
     @property
     def lengths(self) -> np.ndarray:
         """[R] int64 rows (new tokens) of each request."""
-        return self.row_end.astype(np.int64) - self.row_start
+        lengths: np.ndarray = self.row_end.astype(np.int64) - self.row_start
+        return lengths
 
     @property
     def nonempty(self) -> np.ndarray:
@@ -122,7 +123,8 @@ class BatchRequests:
     @property
     def starts(self) -> np.ndarray:
         """[R] int64 first new position of each request; -1 for empty requests."""
-        return np.where(self.nonempty, self.first_position, -1)
+        starts: np.ndarray = np.where(self.nonempty, self.first_position, -1)
+        return starts
 
     def owner_in(self, lo: int, count: int) -> np.ndarray:
         """[count] int32 request owning each of the group rows ``[lo, lo + count)``; -1 on rows no request owns

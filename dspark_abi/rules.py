@@ -135,13 +135,27 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
         _flag(issues, "padding.slot", SLOT_FIELDS[p], s != policy.pad_slot, "padding rows must not write",
               index_of=pad, expected=policy.pad_slot, actual=s)
     if token_ids is not None:
-        t = token_ids[n:]
-        _flag(issues, "padding.token_id", "token_ids", t != policy.pad_token_id, "padding token ids per policy",
-              index_of=pad, expected=policy.pad_token_id, actual=t)
+        padding_token_issues(issues, policy, n, token_ids)
     if hidden is not None:
-        nonzero = np.any(hidden[n:].reshape(pad.size, -1) != 0, axis=1)
-        _flag(issues, "padding.hidden", "hidden", nonzero, "padding rows of the hidden state must be zero",
-              index_of=pad, expected=0.0, actual="nonzero row")
+        padding_hidden_issues(issues, n, hidden)
+
+
+def padding_token_issues(issues: list[Issue], policy: PaddingPolicy, n: int, token_ids: np.ndarray) -> None:
+    """``padding.token_id`` when a padding row (rows ``n..P-1`` of ``token_ids`` [P]) has another id than the
+    policy's ``pad_token_id`` (the one statement of the rule: the validator and ``prefill``'s input check)."""
+    t = token_ids[n:]
+    _flag(issues, "padding.token_id", "token_ids", t != policy.pad_token_id, "padding token ids per policy",
+          index_of=np.arange(n, n + t.size), expected=policy.pad_token_id, actual=t)
+
+
+def padding_hidden_issues(issues: list[Issue], n: int, hidden: np.ndarray) -> None:
+    """``padding.hidden`` when a padding row (rows ``n..P-1`` of ``hidden`` [P, ...]) is not all zero."""
+    pad = hidden.shape[0] - n
+    if pad <= 0:
+        return
+    nonzero = np.any(hidden[n:].reshape(pad, -1) != 0, axis=1)
+    _flag(issues, "padding.hidden", "hidden", nonzero, "padding rows of the hidden state must be zero",
+          index_of=np.arange(n, n + pad), expected=0.0, actual="nonzero row")
 
 
 def _check_width(issues: list[Issue], pl: PoolLayout, table: np.ndarray, start: np.ndarray, end: np.ndarray,

@@ -10,7 +10,7 @@ field                   what, and where it comes from
 ``row_start/row_stop``  the query rows: ``[0, P)``, or the rank's ``[r*L, (r+1)*L)``
 ``positions``           [P] int64 positions of all group rows (the KV side covers them all)
 ``request``             [P] int32 ``batch.row_request``: the ABI's one row-ownership array, shared, not recomputed
-``run_*``               the group rows ``[qsl[r], qsl[r+1])`` of every non-empty request, from ``query_start_loc``
+``run_*``               the group rows ``[qsl[r], qsl[r+1])`` of every non-empty request: ``batch.requests.runs()``
                         (:meth:`runs_in` clips them to a row range)
 ``boundaries[m]``       [B] int64 live rows that close a ratio-m window, m = 4 and 128 (they write entry
                         ``(p+1)/m - 1``: :func:`~dspark_kernels.model.geometry.boundary_rows`)
@@ -103,9 +103,8 @@ class BatchPlan:
             lo, hi = rank * local, (rank + 1) * local
         config = batch.config
         positions = _frozen(batch.positions.astype(np.int64))
-        request = batch.row_request
-        qsl = batch.query_start_loc.astype(np.int64)
-        live = qsl[1:] > qsl[:-1]
+        request = batch.row_request                   # the batch's request record owns the rows and the runs
+        run_starts, run_stops, run_requests = batch.requests.runs()
         ratios = compress_ratios(config)
         boundaries = {m: _frozen(boundary_rows(positions, request, m)) for m in ratios}
         visible = {m: _frozen(np.where(request >= 0, visible_entries(positions, m), 0)) for m in ratios}
@@ -118,8 +117,8 @@ class BatchPlan:
                                                                  prec)))
                        for kind, m in kinds.items() if m}
         return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
-                   request=request, run_starts=_frozen(qsl[:-1][live]), run_stops=_frozen(qsl[1:][live]),
-                   run_requests=_frozen(np.flatnonzero(live).astype(np.int64)), boundaries=boundaries,
+                   request=request, run_starts=_frozen(run_starts), run_stops=_frozen(run_stops),
+                   run_requests=_frozen(run_requests), boundaries=boundaries,
                    visible=visible, rope=rope, window_rope=window_rope)
 
     # ------------------------------------------------------------------ geometry
