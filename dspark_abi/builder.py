@@ -95,6 +95,16 @@ _ROWS_FIX = ("pass logit_rows='last', None, or a list / 1-D numpy array of int32
              "(-1 for an inactive entry)")
 
 
+#: One queue entry's requests: ids, cached, new, "all three exact" and "the id exact" (duplicates are named even
+#: when the counts are not exact), each [k].
+_Part = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _bad(issues: list[Issue], i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
+    """A ``builder.request`` issue of request ``i`` (its place in the queue)."""
+    issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected, actual=actual, fix=fix))
+
+
 def _copy(value: Any) -> Any:
     """A copy of a queued argument that keeps its type (an ndarray subclass stays one, so build() can refuse it)."""
     if isinstance(value, np.ndarray):
@@ -259,82 +269,100 @@ class BatchBuilder:
                      ) -> tuple[StepRequests, str | np.ndarray | None]:
         """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once.
 
-        Scalars from add() are converted one by one (they are Python objects); everything else is checked on
-        arrays, so an add_many() step costs no Python per request."""
+        Four phases: each queue entry converted (:meth:`_convert_many`, :meth:`_convert_one`), the values of the
+        exact requests (:meth:`_check_values`), the step as a whole (:meth:`_check_step`), the logit rows
+        (:meth:`_check_logit_rows`). Scalars from add() are converted one by one (they are Python objects);
+        everything else is checked on arrays, so an add_many() step costs no Python per request."""
         issues: list[Issue] = []
         # per queue entry: ids, cached, new, all three exact, the id exact (duplicates are named even then)
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        token_parts: list[np.ndarray | None] = []
+        parts: list[_Part] = []
+        token_parts: list[Any] = []
         index = 0                                                 # a request's index: its place in the queue
-
-        def bad(i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
-            issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected,
-                                actual=actual, fix=fix))
-
         for entry in queued:
-            if isinstance(entry, _Many):
-                vectors = []
-                for arg, value, bounds in (("request_ids", entry.request_ids, _INT64),
-                                           ("num_cached", entry.num_cached, _COUNT),
-                                           ("num_new", entry.num_new, _COUNT)):
-                    vec, problem = _int_vector(value, *bounds)
-                    if vec is None:
-                        issues.append(Issue("builder.request", arg, f"{arg} must be a 1-D sequence of integers "
-                                            f"in [{bounds[0]}, {bounds[1]}], got {problem}", index=index,
-                                            expected="1-D integer sequence", actual=problem, fix=_MANY_FIX))
-                    vectors.append(vec)
-                sizes = {v.size for v in vectors if v is not None}
-                if len(sizes) > 1:
-                    issues.append(Issue("builder.request", "add_many", "request_ids, num_cached and num_new must "
-                                        "have one entry per request", index=index, expected="equal lengths",
-                                        actual=sorted(sizes), fix=_MANY_FIX))
-                count = max(sizes, default=0)
-                exact = np.full(count, len(sizes) == 1 and all(v is not None for v in vectors))
-                ids, cached, new = (v if v is not None and v.size == count else np.zeros(count, np.int64)
-                                    for v in vectors)
-                tids = None
-                if entry.token_ids is not None:
-                    tids, problem = _int_vector(entry.token_ids, *_INT64)
-                    if tids is None:
-                        bad(index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
-                            "1-D integer sequence", problem, _IDS_FIX)
-                    elif exact.all() and tids.size != int(new.sum()):
-                        bad(index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
-                            f"sum(num_new)={int(new.sum())}", int(new.sum()), tids.size,
-                            f"pass exactly sum(num_new)={int(new.sum())} token_ids, request after request")
-                parts.append((ids, cached, new, exact, np.full(count, vectors[0] is not None)))
-                token_parts.append(entry.token_ids if tids is None else tids)
-                index += count
-                continue
-            request_id, num_cached, num_new, token_ids = entry     # one add(): Python scalars, one by one
-            rid = _exact_int(request_id, *_INT64)
-            if rid is None:
-                bad(index, "request_id", f"request_id must be an integer within int64, got {_short(request_id)}",
-                    "int64 integer", _short(request_id), _ID_FIX)
-            cached_i, new_i = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
-            for arg, value, exact_i in (("num_cached", num_cached, cached_i), ("num_new", num_new, new_i)):
-                if exact_i is None:
-                    bad(index, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0",
-                        _short(value))
-            tids = None
-            if token_ids is not None:
-                tids, problem = _int_vector(token_ids, *_INT64)
-                if tids is None:
-                    bad(index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
-                        "1-D integer sequence", problem, _IDS_FIX)
-                elif new_i is not None and tids.shape != (new_i,):
-                    bad(index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
-                        f"num_new={new_i}", (new_i,), tids.shape, f"pass exactly num_new={new_i} token_ids")
-            ok = rid is not None and cached_i is not None and new_i is not None
-            parts.append((np.array([rid or 0], np.int64), np.array([cached_i or 0], np.int64),
-                          np.array([new_i or 0], np.int64), np.array([ok]), np.array([rid is not None])))
-            token_parts.append(token_ids if tids is None else tids)
-            index += 1
+            part, tokens = (self._convert_many(entry, index, issues) if isinstance(entry, _Many) else
+                            self._convert_one(entry, index, issues))
+            parts.append(part)
+            token_parts.append(tokens)
+            index += part[0].size
 
         ids, cached, new, exact, id_exact = (np.concatenate([p[k] for p in parts]) if parts else
                                              np.zeros(0, np.int64) for k in range(5))
         exact, id_exact = exact.astype(bool), id_exact.astype(bool)
         self._check_values(issues, ids, cached, new, exact, id_exact)
+        self._check_step(issues, ids, new, exact, token_parts)
+        rows = self._check_logit_rows(issues, logit_rows)
+        if issues:
+            raise ABIError(issues)
+        tokens = None
+        if token_parts and token_parts[0] is not None:
+            tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
+        return StepRequests(ids, cached, new, tokens), rows
+
+    @staticmethod
+    def _convert_many(entry: _Many, index: int, issues: list[Issue]) -> tuple[_Part, Any]:
+        """One add_many() entry as arrays (zeros where unusable) and its token ids, vectorized."""
+        vectors = []
+        for arg, value, bounds in (("request_ids", entry.request_ids, _INT64),
+                                   ("num_cached", entry.num_cached, _COUNT),
+                                   ("num_new", entry.num_new, _COUNT)):
+            vec, problem = _int_vector(value, *bounds)
+            if vec is None:
+                issues.append(Issue("builder.request", arg, f"{arg} must be a 1-D sequence of integers "
+                                    f"in [{bounds[0]}, {bounds[1]}], got {problem}", index=index,
+                                    expected="1-D integer sequence", actual=problem, fix=_MANY_FIX))
+            vectors.append(vec)
+        sizes = {v.size for v in vectors if v is not None}
+        if len(sizes) > 1:
+            issues.append(Issue("builder.request", "add_many", "request_ids, num_cached and num_new must "
+                                "have one entry per request", index=index, expected="equal lengths",
+                                actual=sorted(sizes), fix=_MANY_FIX))
+        count = max(sizes, default=0)
+        exact = np.full(count, len(sizes) == 1 and all(v is not None for v in vectors))
+        ids, cached, new = (v if v is not None and v.size == count else np.zeros(count, np.int64)
+                            for v in vectors)
+        tids = None
+        if entry.token_ids is not None:
+            tids, problem = _int_vector(entry.token_ids, *_INT64)
+            if tids is None:
+                _bad(issues, index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                     "1-D integer sequence", problem, _IDS_FIX)
+            elif exact.all() and tids.size != int(new.sum()):
+                _bad(issues, index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids "
+                     f"for sum(num_new)={int(new.sum())}", int(new.sum()), tids.size,
+                     f"pass exactly sum(num_new)={int(new.sum())} token_ids, request after request")
+        part = (ids, cached, new, exact, np.full(count, vectors[0] is not None))
+        return part, entry.token_ids if tids is None else tids
+
+    @staticmethod
+    def _convert_one(entry: tuple[Any, Any, Any, Any], index: int, issues: list[Issue]) -> tuple[_Part, Any]:
+        """One add() entry (Python scalars, converted one by one) as one-element arrays, and its token ids."""
+        request_id, num_cached, num_new, token_ids = entry
+        rid = _exact_int(request_id, *_INT64)
+        if rid is None:
+            _bad(issues, index, "request_id", f"request_id must be an integer within int64, got "
+                 f"{_short(request_id)}", "int64 integer", _short(request_id), _ID_FIX)
+        cached_i, new_i = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
+        for arg, value, exact_i in (("num_cached", num_cached, cached_i), ("num_new", num_new, new_i)):
+            if exact_i is None:
+                _bad(issues, index, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0",
+                     _short(value))
+        tids = None
+        if token_ids is not None:
+            tids, problem = _int_vector(token_ids, *_INT64)
+            if tids is None:
+                _bad(issues, index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                     "1-D integer sequence", problem, _IDS_FIX)
+            elif new_i is not None and tids.shape != (new_i,):
+                _bad(issues, index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
+                     f"num_new={new_i}", (new_i,), tids.shape, f"pass exactly num_new={new_i} token_ids")
+        ok = rid is not None and cached_i is not None and new_i is not None
+        part = (np.array([rid or 0], np.int64), np.array([cached_i or 0], np.int64),
+                np.array([new_i or 0], np.int64), np.array([ok]), np.array([rid is not None]))
+        return part, token_ids if tids is None else tids
+
+    def _check_step(self, issues: list[Issue], ids: np.ndarray, new: np.ndarray, exact: np.ndarray,
+                    token_parts: list[Any]) -> None:
+        """The rules of the step as a whole: its token count and token ids for all requests or none."""
         if exact.all():
             total = int(new.sum())
             inactive = total == 0 and ids.size > 0 and self.policy.allow_inactive
@@ -346,20 +374,20 @@ class BatchBuilder:
             issues.append(Issue("builder.request", "token_ids", "give token ids for every request or none",
                                 expected="all or none", actual="some",
                                 fix="pass token_ids to every add() or add_many() of the step, or to none"))
-        rows: str | np.ndarray | None = logit_rows
-        if not (logit_rows is None or (isinstance(logit_rows, str) and logit_rows == "last")):
-            vec, problem = _int_vector(logit_rows, *_INT32)
-            if vec is None:
-                issues.append(Issue("builder.request", "logit_rows", "logit_rows must be 'last', None or a 1-D "
-                                    f"sequence of int32 group rows, got {problem}", expected="'last', None or "
-                                    "int32 rows", actual=problem, fix=_ROWS_FIX))
-            rows = None if vec is None else vec.astype(np.int32)
-        if issues:
-            raise ABIError(issues)
-        tokens = None
-        if token_parts and token_parts[0] is not None:
-            tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
-        return StepRequests(ids, cached, new, tokens), rows
+
+    @staticmethod
+    def _check_logit_rows(issues: list[Issue], logit_rows: Any) -> str | np.ndarray | None:
+        """``logit_rows`` as given ('last' or None) or as an int32 array (None with an issue when unusable)."""
+        if logit_rows is None or (isinstance(logit_rows, str) and logit_rows == "last"):
+            rows: str | np.ndarray | None = logit_rows
+            return rows
+        vec, problem = _int_vector(logit_rows, *_INT32)
+        if vec is None:
+            issues.append(Issue("builder.request", "logit_rows", "logit_rows must be 'last', None or a 1-D "
+                                f"sequence of int32 group rows, got {problem}", expected="'last', None or "
+                                "int32 rows", actual=problem, fix=_ROWS_FIX))
+            return None
+        return vec.astype(np.int32)
 
     def _check_values(self, issues: list[Issue], ids: np.ndarray, cached: np.ndarray, new: np.ndarray,
                       exact: np.ndarray, id_exact: np.ndarray) -> None:

@@ -384,9 +384,11 @@ class StepValidator:
     def _pool_delta(self, pl: PoolLayout, refs: _BlockRefs, table: np.ndarray, n_blocks: int, first: np.ndarray,
                     stop: np.ndarray, match: np.ndarray, handles: np.ndarray) -> tuple[_Delta, bool]:
         """Move one pool's per-block state from the last accepted step to this one; True when the fresh pages
-        need the exact page check (unmapped, out of range or possibly aliased)."""
+        need the exact page check (unmapped, out of range or possibly aliased).
+
+        Three phases: the overlap with the last accepted step (:meth:`_changed_cells`), the references that
+        depart (:meth:`_departing`), and the fresh pages, applied to the per-block state (:meth:`_apply_fresh`)."""
         p = pl.name
-        n_req = first.size
         prev = self._accepted
         if prev is None:
             p_first = p_stop = p_handles = np.zeros(0, dtype=np.int64)
@@ -399,52 +401,70 @@ class StepValidator:
         o_hi = np.where(known, np.minimum(stop, p_stop[j] if p_stop.size else 0), 0)
         overlap = known & (o_hi > o_lo)
         o_lo, o_hi = np.where(overlap, o_lo, stop), np.where(overlap, o_hi, stop)   # no overlap: [stop, stop)
+        n_compared = int((o_hi - o_lo)[overlap].sum())
+        c_req, _page, old, new = self._changed_cells(pl, table, p_table, overlap, o_lo, o_hi, match)
+        removed = self._departing(pl, p_table, p_first, p_stop, p_handles, overlap, o_lo, o_hi, match,
+                                  old, handles[c_req])
+        added, suspect = self._apply_fresh(pl, refs, table, n_blocks, first, stop, o_lo, o_hi, overlap, handles,
+                                           c_req, new, removed)
+        return _Delta(p, removed, added, n_compared), suspect
 
-        # overlap pages: keep unchanged cells, old block out / new block in for changed ones
+    @staticmethod
+    def _changed_cells(pl: PoolLayout, table: np.ndarray, p_table: np.ndarray, overlap: np.ndarray,
+                       o_lo: np.ndarray, o_hi: np.ndarray, match: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(request, page, old block, new block) of the overlap pages whose table cell changed since the last
+        accepted step (unchanged cells keep their proof)."""
         rows = np.flatnonzero(overlap)
-        n_compared = int((o_hi - o_lo)[rows].sum())
+        empty = np.zeros(0, dtype=np.int64)
         if pl.is_ring:
             c_req, c_page = _expand(rows, o_lo[rows], o_hi[rows])
             old = _cells(pl, p_table, match[c_req], c_page)
             new = _cells(pl, table, c_req, c_page)
             changed = old != new
-            c_req, c_page, old, new = c_req[changed], c_page[changed], old[changed], new[changed]
-        elif rows.size:                         # compressed: the overlap is columns [0, o_hi), one dense compare
-            width = int(o_hi[rows].max())
-            cur, before = table[:, :width], p_table[:, :width]
-            if rows[-1] == rows.size - 1 and np.array_equal(match[rows], rows):
-                cur, before = cur[: rows.size], before[: rows.size]    # same batch order: compare views, no copy
-            else:
-                cur, before = np.take(cur, rows, axis=0), np.take(before, match[rows], axis=0)
-            diff = cur != before                # cells past a row's overlap may differ (unconstrained there)
-            lead = diff.argmax(axis=1)          # each row's first differing column (0 when none)
-            inside = diff[np.arange(rows.size), lead] & (lead < o_hi[rows])
-            if inside.any():
-                sub = np.flatnonzero(inside)
-                diff = diff[sub] & (np.arange(width) < o_hi[rows[sub], None])
-                at, c_page = np.nonzero(diff)
-                c_req, at = rows[sub[at]], sub[at]
-                old, new = before[at, c_page].astype(np.int64), cur[at, c_page].astype(np.int64)
-            else:
-                c_req = c_page = old = new = np.zeros(0, dtype=np.int64)
+            return c_req[changed], c_page[changed], old[changed], new[changed]
+        if not rows.size:
+            return empty, empty, empty, empty
+        width = int(o_hi[rows].max())           # compressed: the overlap is columns [0, o_hi), one dense compare
+        cur, before = table[:, :width], p_table[:, :width]
+        if rows[-1] == rows.size - 1 and np.array_equal(match[rows], rows):
+            cur, before = cur[: rows.size], before[: rows.size]    # same batch order: compare views, no copy
         else:
-            c_req = c_page = old = new = np.zeros(0, dtype=np.int64)
+            cur, before = np.take(cur, rows, axis=0), np.take(before, match[rows], axis=0)
+        diff = cur != before                    # cells past a row's overlap may differ (unconstrained there)
+        lead = diff.argmax(axis=1)              # each row's first differing column (0 when none)
+        inside = diff[np.arange(rows.size), lead] & (lead < o_hi[rows])
+        if not inside.any():
+            return empty, empty, empty, empty
+        sub = np.flatnonzero(inside)
+        diff = diff[sub] & (np.arange(width) < o_hi[rows[sub], None])
+        at, c_page = np.nonzero(diff)
+        c_req, at = rows[sub[at]], sub[at]
+        return c_req, c_page, before[at, c_page].astype(np.int64), cur[at, c_page].astype(np.int64)
 
-        # departing: previous pages outside this step's overlap (whole runs of requests gone or unfit now)
-        n_prev = p_first.size
+    @staticmethod
+    def _departing(pl: PoolLayout, p_table: np.ndarray, p_first: np.ndarray, p_stop: np.ndarray,
+                   p_handles: np.ndarray, overlap: np.ndarray, o_lo: np.ndarray, o_hi: np.ndarray,
+                   match: np.ndarray, old: np.ndarray, old_handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, handles) of the references that leave the per-block state: the previous pages outside this
+        step's overlap (whole runs of requests gone or unfit now) and the old blocks of changed cells."""
         keep_lo, keep_hi = p_stop.copy(), p_stop.copy()          # no overlap: keep [stop, stop), all departs
         keep_lo[match[overlap]], keep_hi[match[overlap]] = o_lo[overlap], o_hi[overlap]
         if np.array_equal(keep_lo, p_first) and np.array_equal(keep_hi, p_stop):
-            removed_blocks, removed_handles = old, handles[c_req]  # every previous page kept (the common case)
-        else:
-            prev_idx = np.arange(n_prev, dtype=np.int64)
-            gone_j, gone_page = _expand(np.concatenate([prev_idx, prev_idx]), np.concatenate([p_first, keep_hi]),
-                                        np.concatenate([keep_lo, p_stop]))
-            removed_blocks = np.concatenate([_cells(pl, p_table, gone_j, gone_page), old])
-            removed_handles = np.concatenate([p_handles[gone_j], handles[c_req]])
+            return old, old_handles                              # every previous page kept (the common case)
+        prev_idx = np.arange(p_first.size, dtype=np.int64)
+        gone_j, gone_page = _expand(np.concatenate([prev_idx, prev_idx]), np.concatenate([p_first, keep_hi]),
+                                    np.concatenate([keep_lo, p_stop]))
+        return (np.concatenate([_cells(pl, p_table, gone_j, gone_page), old]),
+                np.concatenate([p_handles[gone_j], old_handles]))
 
-        # fresh: this step's pages outside the overlap, and changed overlap cells
-        all_req = np.arange(n_req, dtype=np.int64)
+    def _apply_fresh(self, pl: PoolLayout, refs: _BlockRefs, table: np.ndarray, n_blocks: int, first: np.ndarray,
+                     stop: np.ndarray, o_lo: np.ndarray, o_hi: np.ndarray, overlap: np.ndarray, handles: np.ndarray,
+                     c_req: np.ndarray, new: np.ndarray, removed: tuple[np.ndarray, np.ndarray]
+                     ) -> tuple[tuple[np.ndarray, np.ndarray], bool]:
+        """Swap the departing references for the fresh ones (this step's pages outside the overlap and the new
+        blocks of changed cells) in ``refs``; ((blocks, handles) added, whether the fresh pages are suspect)."""
+        all_req = np.arange(first.size, dtype=np.int64)
         f_req, f_page = _expand(np.concatenate([all_req, all_req]), np.concatenate([first, o_hi]),
                                 np.concatenate([o_lo, stop]))
         f_blk = np.concatenate([_cells(pl, table, f_req, f_page), new])
@@ -457,14 +477,13 @@ class StepValidator:
         total = refs.total + added_blocks.size
         if total >= 2**31 or total * h_max * h_max >= _SUM_LIMIT:
             raise _Overflow
-        refs.apply(removed_blocks, removed_handles, -1)
+        refs.apply(*removed, -1)
         refs.apply(added_blocks, added_handles, 1)
         shared = refs.count[added_blocks] > 1         # an alias needs two references to one block
         if shared.any():
             kept = overlap[f_req[~bad]]                # requests that kept pages of this pool from the last step
             suspect |= self._alias_suspect(refs, added_blocks[shared], added_handles[shared], kept[shared])
-        delta = _Delta(p, (removed_blocks, removed_handles), (added_blocks, added_handles), n_compared)
-        return delta, suspect
+        return (added_blocks, added_handles), suspect
 
     @staticmethod
     def _alias_suspect(refs: _BlockRefs, blk: np.ndarray, handle: np.ndarray, kept: np.ndarray) -> bool:
