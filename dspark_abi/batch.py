@@ -20,7 +20,7 @@ import numpy as np
 
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
-from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.errors import ABIError, ValidationReport
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
@@ -326,7 +326,7 @@ class PackedBatch(BatchGeometry):
     def row_request(self) -> np.ndarray:
         """[P] int32: request owning each group row; -1 on padding rows (``requests.row_request(P)``, computed
         once, read-only)."""
-        return freeze(self.requests.row_request(self.padded_rows))
+        return self.requests.row_request(self.padded_rows)   # read-only, shared with the builder
 
     @cached_property
     def request_starts(self) -> np.ndarray:
@@ -335,10 +335,10 @@ class PackedBatch(BatchGeometry):
 
     def rank(self, r: int) -> RankView:
         """Rank ``r``'s contiguous rows ``[r*L, (r+1)*L)``, its positions and ``local_request_ids``."""
-        if not 0 <= r < self.tp_size:
-            raise ABIError([Issue("rank.index", "rank", f"rank {r} does not exist in a TP-{self.tp_size} group",
-                                  expected=f"0 <= rank < {self.tp_size}", actual=r)])
-        lo, hi = r * self.local_rows, (r + 1) * self.local_rows
+        bad_rank = self.policy.rank_issues(r)
+        if bad_rank:
+            raise ABIError(bad_rank)
+        lo, hi = self.policy.rank_rows(r, self.num_tokens)
         return RankView(
             rank=r, row_start=lo, row_stop=hi, positions=self.positions[lo:hi],
             local_request_ids=self.row_request[lo:hi],   # the batch's one ownership array, sliced

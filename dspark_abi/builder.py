@@ -438,7 +438,7 @@ class BatchBuilder:
         qsl[1:] = requests.row_end
         n = int(qsl[-1])
         p_rows = policy.padded_rows(n)
-        row_request = requests.owner_in(0, n)                                          # [N]
+        row_request = requests.row_request(p_rows)[:n]                # [N], the batch's own row_request
         pos = starts[row_request] + (np.arange(n) - qsl[:-1][row_request])             # [N]
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos

@@ -25,8 +25,8 @@ import numpy as np
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
+    """A copy of ``a`` over an immutable ``bytes`` buffer: no one can write it or make it writeable again."""
+    return np.frombuffer(np.ascontiguousarray(a).tobytes(), dtype=a.dtype).reshape(a.shape)
 
 
 @attrs.frozen(eq=False)
@@ -54,6 +54,7 @@ class BatchRequests:
     row_end: np.ndarray
     logit_row: np.ndarray
     commit_rows: np.ndarray
+    _owners: dict[int, np.ndarray] = attrs.field(factory=dict, init=False, repr=False)   # P -> row_request(P)
 
     # ------------------------------------------------------------------ construction (the only two ways)
     @classmethod
@@ -90,7 +91,7 @@ class BatchRequests:
         logit_row = np.where(asks, last, -1).astype(np.int32)
         commit = (row_end - row_start).astype(np.int64)
         # private read-only copies: a caller's array mutated later changes nothing here
-        return cls(*(_readonly(np.array(a, copy=True)) for a in (ids, first, row_start, row_end, logit_row, commit)))
+        return cls(*(_readonly(a) for a in (ids, first, row_start, row_end, logit_row, commit)))
 
     def agrees_with(self, query_start_loc: np.ndarray, positions: np.ndarray, request_ids: np.ndarray | None,
                     logit_rows: np.ndarray | None) -> bool:
@@ -132,8 +133,13 @@ class BatchRequests:
         return owner_of_rows(self.row_start, self.row_end, lo, count)
 
     def row_request(self, padded_rows: int) -> np.ndarray:
-        """[P] int32 request owning each group row; -1 on padding rows."""
-        return self.owner_in(0, padded_rows)
+        """[P] int32 request owning each group row; -1 on padding rows. Derived once per record and P (read-only):
+        the builder and the batch it builds share one array."""
+        owners = self._owners.get(padded_rows)
+        if owners is None:
+            owners = _readonly(self.owner_in(0, padded_rows))
+            self._owners[padded_rows] = owners
+        return owners
 
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """([K] int64 first row, [K] int64 one past the last row, [K] int64 request) of every non-empty request."""

@@ -27,6 +27,7 @@ from dspark_abi.layout import (
 )
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.requests import owner_of_rows
 
 
 def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message: str, *,
@@ -82,7 +83,7 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
     starts_row = qsl[:-1].astype(np.int64)
     lengths: np.ndarray = np.diff(qsl.astype(np.int64))
     n_req = lengths.size
-    row_request = np.repeat(np.arange(n_req, dtype=np.int64), lengths)             # [N]
+    row_request = owner_of_rows(starts_row, qsl[1:], 0, n).astype(np.int64)        # [N]
     pos = positions[:n].astype(np.int64)                                           # [N]
     nonempty = lengths > 0
     start = np.zeros(n_req, dtype=np.int64)

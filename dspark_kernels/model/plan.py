@@ -30,7 +30,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_abi import ABIError, ModelConfig, PackedBatch
 from dspark_abi.config import LayerKind
 from dspark_abi.layout import visible_entries
 from dspark_kernels.model.geometry import boundary_rows, window_start_positions
@@ -92,15 +92,14 @@ class BatchPlan:
         Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ValueError for an unknown precision.
         """
         prec = check_precision(precision)
-        tp, local = batch.tp_size, batch.local_rows
+        bad_rank = batch.policy.rank_issues(rank, whole_group=True)
+        if bad_rank:
+            raise ABIError(bad_rank)
         if rank is None:
             lo, hi = 0, batch.padded_rows
-        elif isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < tp:
-            raise ABIError([Issue("rank.index", "rank", f"rank {rank!r} does not exist in a TP-{tp} group",
-                                  expected=f"None or 0 <= rank < {tp}", actual=repr(rank))])
         else:
             rank = int(rank)
-            lo, hi = rank * local, (rank + 1) * local
+            lo, hi = batch.policy.rank_rows(rank, batch.num_tokens)
         config = batch.config
         positions = _frozen(batch.positions.astype(np.int64))
         request = batch.row_request                   # the batch's request record owns the rows and the runs
