@@ -183,7 +183,7 @@ def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: int) -> tup
     """
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     has = hi > lo
-    return np.where(has, lo // page_size, 0), np.where(has, (hi - 1) // page_size + 1, 0)
+    return lo // page_size * has, ((hi - 1) // page_size + 1) * has     # a product with the mask: fewest passes
 
 
 def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> np.ndarray:
@@ -195,7 +195,7 @@ def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) 
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
     first, stop = page_span(*live_range(pl, start, end, window), pl.page_size)
-    return np.where(end > start, stop - first if pl.is_ring else stop, 0)
+    return (stop - first if pl.is_ring else stop) * (end > start)
 
 
 def table_column(pl: PoolLayout, page: np.ndarray, width: int) -> np.ndarray:

@@ -164,9 +164,12 @@ def owner_of_rows(row_start: np.ndarray, row_end: np.ndarray, lo: int, count: in
     instead of testing every row against every request (upstream's O(count * R) nested scan).
     """
     hi = lo + count
-    starts = np.clip(np.asarray(row_start, np.int64), lo, hi)
-    stops = np.clip(np.asarray(row_end, np.int64), lo, hi)
+    starts, stops = np.asarray(row_start, np.int64), np.asarray(row_end, np.int64)
+    if lo:                          # a window after row 0 (a rank's rows): clip every request to it
+        starts, stops = np.clip(starts, lo, hi), np.clip(stops, lo, hi)
     owned = np.repeat(np.arange(starts.size, dtype=np.int32), stops - starts)
+    if owned.size >= count:         # from row 0, no padding row in the window
+        return owned[:count]
     out = np.full(count, -1, dtype=np.int32)
     out[: owned.size] = owned       # the rows start at 0 and are contiguous: the owned rows lead the window
     return out
