@@ -13,7 +13,9 @@ Math (DeepSeek-V4 ``Gate`` / ``Expert`` / ``MoE``; upstream's post-attention sta
 * weights ``w = s[selected]``, divided by their sum when ``norm_topk_prob`` and scoring is not softmax
   (DeepSeek-V4 never renormalises softmax scores), then times ``routed_scaling_factor``;
 * routed expert e: ``h = silu(min(x@w1.T, L)) * clip(x@w3.T, -L, L)`` with ``L = swiglu_limit`` (0 = no clamp),
-  ``y_e = (w_e * h) @ w2.T``; the shared expert is the same SwiGLU without the clamp and without a weight;
+  ``y_e = (w_e * h) @ w2.T``; the shared expert is the same clamped SwiGLU without a weight (DeepSeek's
+  ``inference/model.py`` as shipped with DeepSeek-V4-Flash-DSpark / -0731 builds it with ``swiglu_limit``; the
+  earlier V4-Flash release, 0825add, did not: docs/checkpoints.md section 4);
 * ``out = sum_e y_e + shared``.
 
 Experts run vectorized: the (row, slot) pairs are grouped by expert id
@@ -36,9 +38,8 @@ commit 634e77b, ``models/deepseek_v4_flash_dspark/``: ``gate.py`` (``gate``, ``g
   with w3, the SwiGLU clamp, ``h = gate * (1 / (1 + exp(-gate))) * up`` in fp32; ``h`` re-quantised per row
   (``int8q`` again: ``h_q``, ``h_scale``); ``y = bf16((h_q @ w2_q.T in int32) * (h_scale * w) * w2_scale)``:
   the routing weight joins after the re-quantisation, on the dequant scale;
-* the shared expert: the same chain without a routing weight **and with the SwiGLU clamp** (upstream's
-  ``expert_shared`` applies ``swiglu_limit``; DeepSeek's shared expert does not clamp: a difference of the a2a3
-  kernels that this mode reproduces), output bf16;
+* the shared expert: the same chain without a routing weight, with the SwiGLU clamp (as upstream's
+  ``expert_shared`` and DeepSeek's DSpark release), output bf16;
 * ``out = bf16(shared + y_slot0 + y_slot1 + ...)``, fp32 additions in slot order.
 
 Precision ``"deepseek"`` (DeepSeek's official ``MoE`` / ``Expert``, :mod:`dspark_kernels.model.deepseek_numerics`):
@@ -140,13 +141,15 @@ def routed_experts(x: np.ndarray, expert_w: np.ndarray, expert_ids: np.ndarray, 
     return out
 
 
-def shared_expert(x: np.ndarray, weights: MoEWeights, *, precision: Precision = "fp32") -> np.ndarray:
-    """The always-on expert (SwiGLU without the clamp): [T, D] -> [T, D] fp32; zeros when there is none."""
+def shared_expert(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, precision: Precision = "fp32"
+                  ) -> np.ndarray:
+    """The always-on expert, a SwiGLU clamped at ``swiglu_limit`` like the routed experts (DeepSeek's DSpark
+    release): [T, D] -> [T, D] fp32; zeros when there is none."""
     w1, w2, w3 = weights.shared_w1, weights.shared_w2, weights.shared_w3
     if _no_shared(weights) or w1 is None or w2 is None or w3 is None:
         return np.zeros_like(x, dtype=np.float32)
     h = _swiglu(_project(x, w1, "ffn.shared_experts.w1", precision),
-                _project(x, w3, "ffn.shared_experts.w3", precision), 0.0)
+                _project(x, w3, "ffn.shared_experts.w3", precision), float(config.moe.swiglu_limit))
     return _project(narrow(h, precision), w2, "ffn.shared_experts.w2", precision)
 
 
@@ -263,6 +266,6 @@ def moe(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np.nda
         xl = narrow(rms_norm(xl, np.asarray(norm, dtype=np.float32), config.rms_norm_eps), precision)
     expert_w, expert_ids = route(xl, weights, config, ids)
     y = routed_experts(xl, expert_w, expert_ids, weights, config, precision=precision)
-    y += shared_expert(xl, weights, precision=precision)
+    y += shared_expert(xl, weights, config, precision=precision)
     out[rows] = narrow(y, precision)
     return out
