@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save:  # before the summary: a failed write must not follow a printed success
         _save(args.save, batch, hidden, rows, logits, sampled, target)
     features = None if target is None else {"layers": list(config.dspark_target_layers), "shape": list(target.shape),
+                                            "reduction": "mean of the hc streams (DeepSeek's h.mean(dim=2))",
                                             "saved_as": "outputs.target_hidden" if args.save else None}
     if args.json:
         print(json.dumps({"config": config.name, "tp": args.tp, "mode": args.mode, "precision": args.precision,
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
               f"context fill {t_ctx:.3f} s; peak memory {memory.format_bytes(memory.peak_rss_bytes())}")
         if features is not None and target is not None:
             print(f"DSpark target hidden: layers {features['layers']} -> [{target.shape[0]}, {target.shape[1]}] "
-                  "(hc_head of each layer's output streams, concatenated)")
+                  "(the mean of each layer's output hc streams, as DeepSeek's DSpark code; concatenated)")
     if args.save:
         print(f"wrote {args.save}", file=sys.stderr)
     return 0
