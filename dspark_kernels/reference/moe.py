@@ -43,8 +43,9 @@ commit 634e77b, ``models/deepseek_v4_flash_dspark/``: ``gate.py`` (``gate``, ``g
 * ``out = bf16(shared + y_slot0 + y_slot1 + ...)``, fp32 additions in slot order.
 
 Precision ``"deepseek"`` (DeepSeek's official ``MoE`` / ``Expert``, :mod:`dspark_kernels.model.deepseek_numerics`):
-bf16 input rows, the gate in fp32; every expert projection (routed FP4, shared FP8) quantises its input to e4m3
-per 1x128 block and returns bf16; ``silu(gate) * up`` (times the routing weight) in fp32, rounded to bf16 before
+bf16 input rows, the gate in fp32; every expert projection returns bf16 and, when its weight is stored FP8 / FP4
+(``MoEWeights.fp8_stored``; shipped: routed FP4, shared FP8), quantises its input to e4m3 per 1x128 block first;
+``silu(gate) * up`` (times the routing weight) in fp32, rounded to bf16 before
 ``w2``; the expert outputs are summed in fp32 in expert order, then the shared expert; the output is bf16.
 """
 
@@ -115,9 +116,10 @@ def _swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     return gate * (np.float32(1) / (np.float32(1) + np.exp(-gate))) * up  # silu(gate) * up, as the kernels
 
 
-def _project(x: np.ndarray, w: np.ndarray, name: str, precision: Precision) -> np.ndarray:
-    """``x @ w.T``; in ``"deepseek"`` the official Linear of checkpoint tensor ``name`` (FP8 / FP4 GEMM, bf16 out)."""
-    return ds.linear(x, w, name) if precision == "deepseek" else x @ w.T
+def _project(x: np.ndarray, w: np.ndarray, name: str, precision: Precision, fp8: frozenset[str]) -> np.ndarray:
+    """``x @ w.T``; in ``"deepseek"`` the official Linear of checkpoint tensor ``name`` (bf16 out; an FP8 / FP4
+    GEMM when ``name`` is in ``fp8``, the layer's ``MoEWeights.fp8_stored``)."""
+    return ds.linear(x, w, name, fp8) if precision == "deepseek" else x @ w.T
 
 
 def routed_experts(x: np.ndarray, expert_w: np.ndarray, expert_ids: np.ndarray, weights: MoEWeights,
@@ -133,10 +135,10 @@ def routed_experts(x: np.ndarray, expert_w: np.ndarray, expert_ids: np.ndarray, 
     for e, pairs in ExpertGroups.build(expert_ids, weights.w1.shape[0]):  # pairs: (n_e,) pair ids t*K + k
         rows = pairs // k                                                 # (n_e,) token rows
         xe = x[rows]                                                      # (n_e, D)
-        h = _swiglu(_project(xe, weights.w1[e], "ffn.experts.w1", precision),
-                    _project(xe, weights.w3[e], "ffn.experts.w3", precision), limit)
+        h = _swiglu(_project(xe, weights.w1[e], "ffn.experts.w1", precision, weights.fp8_stored),
+                    _project(xe, weights.w3[e], "ffn.experts.w3", precision, weights.fp8_stored), limit)
         h = narrow(h * pair_w[pairs][:, None], precision)                 # (n_e, I)
-        ye = _project(h, weights.w2[e], "ffn.experts.w2", precision)     # (n_e, D)
+        ye = _project(h, weights.w2[e], "ffn.experts.w2", precision, weights.fp8_stored)     # (n_e, D)
         np.add.at(out, rows, ye)  # a row may pick one expert twice only through a hash table; add.at sums both
     return out
 
@@ -148,9 +150,10 @@ def shared_expert(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, pr
     w1, w2, w3 = weights.shared_w1, weights.shared_w2, weights.shared_w3
     if _no_shared(weights) or w1 is None or w2 is None or w3 is None:
         return np.zeros_like(x, dtype=np.float32)
-    h = _swiglu(_project(x, w1, "ffn.shared_experts.w1", precision),
-                _project(x, w3, "ffn.shared_experts.w3", precision), float(config.moe.swiglu_limit))
-    return _project(narrow(h, precision), w2, "ffn.shared_experts.w2", precision)
+    fp8 = weights.fp8_stored
+    h = _swiglu(_project(x, w1, "ffn.shared_experts.w1", precision, fp8),
+                _project(x, w3, "ffn.shared_experts.w3", precision, fp8), float(config.moe.swiglu_limit))
+    return _project(narrow(h, precision), w2, "ffn.shared_experts.w2", precision, fp8)
 
 
 # ---------------------------------------------------------------------------------------------- a2a3 (W8A8)
