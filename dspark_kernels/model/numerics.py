@@ -24,8 +24,9 @@ Three precisions exist:
     following the release :data:`~dspark_kernels.model.deepseek_numerics.KV_RELEASE`;
   - Hadamard rotation (bf16 out) then FP4 e2m1 fake quant (blocks of 32, power-of-two scale) of the indexer
     queries and compressed indexer keys;
-  - e4m3 quantisation per 1x128 block (power-of-two scale) of the input of every Linear the checkpoint ships
-    as FP8 or FP4 (``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, ``indexer.wq_b``, shared and routed experts), then a
+  - e4m3 quantisation per 1x128 block (power-of-two scale) of the input of every Linear whose weight is stored
+    FP8 or FP4 as loaded (a shipped checkpoint: ``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, ``indexer.wq_b``, shared
+    and routed experts; bf16 / float weights: none, a plain bf16 GEMM as the official ``linear()``), then a
     product with the weights as given, i.e. the FP8 / FP4 GEMM up to fp32 summation order;
   - fp32 throughout: the compressor projections, state and pooling, the gate, hc_pre / hc_post / hc_head
     arithmetic, RoPE tables, attention logits, max and sums, the LM head.
