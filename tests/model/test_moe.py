@@ -249,7 +249,7 @@ A2A3_MAX_DIFFERING, A2A3_MAX_STEPS = 0.02, 2.0
 def _a2a3_case(seed, hash_layer):
     rng = np.random.default_rng([40, seed, hash_layer])
     w = _weights(rng, hash_layer=hash_layer)
-    w = MoEWeights(**{f: (None if v is None else v if v.dtype.kind in "iu" else _bf16(v))
+    w = MoEWeights(**{f: (v if not isinstance(v, np.ndarray) or v.dtype.kind in "iu" else _bf16(v))
                       for f, v in attrs.asdict(w, recurse=False).items()})
     x = _bf16(rng.standard_normal((24, TINY.hidden_size)) * 2)
     norm = _bf16(1 + 0.1 * rng.standard_normal(TINY.hidden_size))
