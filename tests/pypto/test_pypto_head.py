@@ -1,4 +1,5 @@
-"""The head's kernels against the reference in a2a3 precision: hc_head (the DSpark target features), hc_head +
+"""The head's kernels against the reference in a2a3 precision: the stream mean (the DSpark target features),
+hc_head (upstream's target features), hc_head +
 final RMSNorm, the LM head over requested rows (whole vocabulary and each TP shard) and greedy sampling, on the
 packed TINY rows of ``packed_batch`` (P = 10, one zero padding row) with ``ModelWeights.random`` head weights.
 
@@ -78,6 +79,12 @@ def greedy_many(cases: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     return [greedy(logits, rows) for logits, rows in cases]
 
 
+def stream_means(cases: list[np.ndarray]) -> list[np.ndarray]:
+    from dspark_kernels.pypto.head import stream_mean
+
+    return [stream_mean(x) for x in cases]
+
+
 def logits_of_non_bf16_weights() -> None:
     from dspark_kernels.pypto.head import logits_for_rows
 
@@ -113,6 +120,20 @@ def test_hc_head_final_hidden_and_logits_match_reference():
             assert part.shape == (rows.size, s.stop - s.start)
             assert np.all(np.abs(part[live] - want[live, s]) <= bound[:, s])
             assert np.all(part[~live] == 0)
+
+
+def test_stream_mean_matches_reference_exactly():
+    """DeepSeek's target feature (the mean of the hc streams): the same three fp32 adds in stream order, an exact
+    * 1/4 and one bf16 rounding on both sides, so bit-identical (also for streams that are not bf16 values)."""
+    from dspark_kernels.model.numerics import bf16_round
+
+    pad = packed_batch().row_request < 0
+    cases = [_streams(SEED, scale) for scale in X_SCALES]
+    cases += [bf16_round(c) for c in cases]
+    for x, got in zip(cases, run_isolated(stream_means, cases), strict=True):
+        want = ref_head.stream_mean(x, precision="a2a3")
+        np.testing.assert_array_equal(got, want)
+        assert not got[pad].any() and got[~pad].any()
 
 
 def test_greedy_matches_reference_first_maximum():
