@@ -26,7 +26,8 @@ Precision ``"a2a3"``: the numerics of upstream's a2a3 MoE kernels and their gold
 commit 634e77b, ``models/deepseek_v4_flash_dspark/``: ``gate.py`` (``gate``, ``golden_gate_core``),
 ``expert_routed.py``, ``expert_shared.py``, and ``moe.py`` (``combine``)), W8A8 throughout:
 
-* input bf16 rows. The ffn RMSNorm is deferred into the gate: ``inv_rms = 1 / sqrt(sum(x^2) * (1/D) + eps)`` and
+* input bf16 rows. The ffn RMSNorm is deferred into the gate: ``inv_rms = 1 / sqrt(sum(x^2) * (1/D) + eps)`` (the
+  sum in torch's CPU order, :func:`~dspark_kernels.model.numerics.torch_sum`, as upstream's ``golden_gate_core``) and
   ``xg = x * bf16(ffn_norm)`` in fp32, never narrowed (without ``norm``: ``inv_rms = 1``, ``xg = x``);
 * gate in fp32: ``logits = (xg @ gate_w.T) * inv_rms``, scores, selection and weights as above;
 * one per-token int8 quantisation of ``xg`` (``int8q``: amax floored at 1e-4, ``q = rint(xg * 127 / amax)``)
@@ -67,6 +68,7 @@ from dspark_kernels.model.numerics import (
     linear,
     narrow,
     rms_norm,
+    torch_sum,
 )
 
 
@@ -181,7 +183,7 @@ def quantized_gate(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, n
     if norm is None:
         xg, inv_rms = x, np.ones(x.shape[0], np.float32)
     else:
-        ssq = np.einsum("td,td->t", x, x)                                                  # (T,)
+        ssq = torch_sum(x * x)   # (T,) in the order of upstream's golden (torch's CPU sum of x * x)
         inv_rms = np.float32(1) / np.sqrt(ssq * np.float32(1.0 / x.shape[1]) + np.float32(config.rms_norm_eps))
         xg = x * bf16_round(np.asarray(norm, dtype=np.float32))                             # (T, D)
     x_q, x_dq = int8_quantize(xg)

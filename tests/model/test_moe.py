@@ -317,3 +317,25 @@ def test_a2a3_padding_rows_are_zero_and_expert_ids_are_checked():
     with pytest.raises(ABIError) as err:
         moe(x, bad, TINY, norm=norm, token_ids=ids, precision="a2a3")
     assert err.value.codes == {"config.mismatch"}
+
+
+def test_a2a3_gate_inv_rms_is_upstreams_torch_reduction_bit_for_bit():
+    """The deferred ffn RMSNorm of the a2a3 gate: ``rsqrt(sum(x * x) * (1 / D) + eps)`` with torch's CPU sum, as
+    upstream's ``golden_gate_core``, at FLASH's D = 4096: the rows' dequant scales (``amax / 127 * inv_rms``) equal
+    the torch-computed ones bit for bit (with an fp32 einsum inv_rms differed on all 64 rows, measured)."""
+    import torch  # the test extra installs it; the library never imports it
+
+    from dspark_kernels.model.numerics import int8_quantize
+
+    rng = np.random.default_rng(21)
+    d, e = 4096, TINY.moe.n_routed_experts
+    x = _bf16(rng.standard_normal((64, d)) * rng.uniform(0.01, 20, (64, 1)))
+    norm = _bf16(1 + 0.1 * rng.standard_normal(d))
+    w = MoEWeights(gate_w=(rng.standard_normal((e, d)) * 0.02).astype(np.float32),
+                   gate_bias=np.zeros(e, np.float32), tid2eid=None, w1=np.zeros((e, 1, d), np.float32),
+                   w2=np.zeros((e, d, 1), np.float32), w3=np.zeros((e, 1, d), np.float32))
+    gate = quantized_gate(x, w, TINY, norm=norm)
+    t = torch.from_numpy(x)
+    inv = torch.rsqrt((t * t).sum(dim=-1, keepdim=True) * (1.0 / d) + TINY.rms_norm_eps).numpy()[:, 0]
+    _, dq = int8_quantize(x * norm)
+    np.testing.assert_array_equal(gate.x_scale, (dq * inv).astype(np.float32))
