@@ -232,10 +232,10 @@ class AttentionWeights:
         """Deterministic random weights (``seed``) scaled so activations stay O(1).
 
         Projections ~ N(0, 1/fan_in); norm weights ~ 1 + N(0, 0.1^2); ape ~ N(0, 0.5^2); sinks ~ N(0, 1).
-        ``stored="shipped"``: the projections the official checkpoint ships FP8 / FP4 are rounded to those formats
-        (FP8 e4m3 with 128x128 power-of-two block scales; none of an attention layer's is FP4) and marked
-        :attr:`fp8_stored`, as a checkpoint in the shipped formats loads; ``"float"`` (default): float32 values,
-        stored as floats.
+        ``stored="shipped"``: the projections the official inference runs as FP8 GEMMs on the shipped checkpoint
+        (:func:`~dspark_kernels.model.deepseek_numerics.fp8_gemm_weights`; not ``wo_a``, which ``convert.py``
+        turns into bf16) are rounded to FP8 e4m3 with 128x128 power-of-two block scales and marked
+        :attr:`fp8_stored`; ``"float"`` (default): float32 values, stored as floats.
         """
         rng = np.random.default_rng([seed, layer])
         arrays = {}
