@@ -1,0 +1,143 @@
+"""Every per-request rule, with the offending request first, in the middle and last.
+
+A rule evaluated over ``requests[:-1]`` or ``requests[1:]`` (an off-by-one in a per-request mask, a loop bound,
+a slice of ``query_start_loc``) passes every test whose offender is request 0. Each case here breaks one rule in
+exactly one request of a three-request batch, at each of the three places, and requires the report to name that
+rule and that request, without raising.
+
+The mutations are the library's own single-rule mutations (:data:`dspark_abi.testing.MUTATIONS`): for each rule
+and place, the first seed whose mutation lands on the wanted request is used. Where the mutation lands is read
+from the arrays it changed (never from the report under test). The table-width rule has no such mutation (the
+library's narrows a table to no column at all, a shape error), so it has its own cases below.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
+from dspark_abi.layout import POOL_NAMES, PoolName, live_pages
+from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
+from dspark_abi.presets import TINY
+from dspark_abi.testing import MutatedBatch, mutate
+
+#: The three places of the offender in a three-request batch.
+PLACES = {"first": 0, "middle": 1, "last": 2}
+#: (num_cached, num_new) of three requests that can each break every per-request rule: two or more new tokens,
+#: positions on and off the compressed pools' boundaries, two or more live pages in every pool that has pages.
+REQUESTS = ((130, 9), (40, 7), (260, 12))
+#: Rules that name one request: positions, token ids, tables, coverage, aliasing, slots, writes, isolation.
+PER_REQUEST_CODES = (
+    "positions.negative", "positions.not_contiguous", "positions.out_of_range", "token_ids.range",
+    "tables.block_range", "coverage.unmapped", "tables.alias", "state.ring_alias", "slots.mismatch",
+    "slots.off_boundary", "slots.range", "writes.duplicate", "isolation.foreign_write",
+)
+#: Seeds tried per (rule, place); every rule lands on every place within the first few.
+SEEDS = range(200)
+
+
+def _build(requests: tuple[tuple[int, int], ...], blocks: int = 128) -> PackedBatch:
+    # pad_position="zero": moving the last request's positions leaves the padding rows' positions alone
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=2, pad_position="zero"),
+                           BlockAllocator(TINY, PoolBlocks.uniform(blocks)))
+    for rid, (cached, new) in enumerate(requests):
+        builder.add(rid, num_cached=cached, num_new=new, token_ids=np.arange(new) + 1)
+    return builder.build()
+
+
+BATCH = _build(REQUESTS)
+
+
+def _row_requests(batch: PackedBatch, rows: np.ndarray) -> set[int]:
+    live = rows[rows < batch.num_tokens]
+    return set(np.searchsorted(batch.query_start_loc, live, side="right").astype(int) - 1)
+
+
+def _landing(batch: PackedBatch, case: MutatedBatch) -> int | None:
+    """The one request a mutation breaks the rule of (the request the report must name), from the changed arrays;
+    None when the mutation touched no request or several."""
+    before = batch.to_arrays()
+    touched: set[int] = set()
+    changed_rows: dict[str, np.ndarray] = {}
+    for name, new in case.arrays.items():
+        old = before[name]
+        if old.shape != new.shape or (name == "query_start_loc" and (old != new).any()):
+            return None
+        diff = np.flatnonzero((old != new).reshape(old.shape[0], -1).any(axis=1))
+        changed_rows[name] = diff
+        if name in TABLE_FIELDS.values() or name == "request_ids":
+            touched |= set(diff.tolist())
+        else:
+            touched |= _row_requests(batch, diff)
+    if len(touched) != 1:
+        return None
+    if case.code == "isolation.foreign_write":  # another request's table now maps a block the writer writes
+        (field,) = [f for f, rows in changed_rows.items() if rows.size]
+        pool = next(p for p in POOL_NAMES if TABLE_FIELDS[p] == field)
+        r = int(changed_rows[field][0])
+        new_blocks = set(case.arrays[field][r][case.arrays[field][r] != before[field][r]].tolist())
+        ps = TINY.layout.pools[pool].page_size
+        slots = before[SLOT_FIELDS[pool]][:batch.num_tokens]
+        writers = np.flatnonzero(np.isin(slots // ps, list(new_blocks)) & (slots >= 0))
+        owners = _row_requests(batch, writers)
+        return owners.pop() if len(owners) == 1 else None
+    if case.code == "writes.duplicate":  # the later of the two tokens writing one row is the one named
+        (field,) = [f for f, rows in changed_rows.items() if rows.size]
+        j = int(changed_rows[field][0])
+        i = np.flatnonzero(before[field][:batch.num_tokens] == case.arrays[field][j])
+        return _row_requests(batch, np.array([max(j, int(i[0]))])).pop() if i.size else None
+    return touched.pop()
+
+
+def _case_at(code: str, request: int) -> MutatedBatch:
+    for seed in SEEDS:
+        case = mutate(BATCH, code, seed)
+        if case is not None and _landing(BATCH, case) == request:
+            return case
+    raise AssertionError(f"no mutation of {code} among {len(SEEDS)} seeds lands on request {request} alone")
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("code", PER_REQUEST_CODES)
+def test_every_per_request_rule_names_the_offender_wherever_it_is(code: str, place: str):
+    request = PLACES[place]
+    case = _case_at(code, request)
+    report = validate(case.arrays, case.config, case.policy, case.pool_blocks, hidden=case.hidden)
+    named = [issue.request for issue in report.issues if issue.code == code]
+    assert named, f"{code} broken in request {request} ({place}) not reported: {report.codes}"
+    assert named[0] == request, (code, place, named)
+
+
+# ------------------------------------------------------------------------------------------------- table width
+
+#: The offender reads and writes more pages than the other two in every pool below (its live range is the
+#: longest and ends furthest), so a table one column narrower than it needs is wide enough for the others.
+OFFENDER, OTHERS = (200, 70), ((40, 7), (130, 9))
+#: hca_cmp is left out: one of its pages spans 4096 positions, so no request of TINY needs a second column.
+WIDTH_POOLS: tuple[PoolName, ...] = ("ori", "csa_cmp", "idx", "csa_state", "csa_inner_state", "hca_state")
+
+
+def _width_case(pool: PoolName, request: int) -> tuple[PackedBatch, dict[str, np.ndarray], int]:
+    requests = list(OTHERS)
+    requests.insert(request, OFFENDER)
+    batch = _build(tuple(requests))
+    pl = TINY.layout.pools[pool]
+    need = live_pages(pl, batch.request_starts, batch.request_starts + batch.request_lengths, TINY.sliding_window)
+    others = np.delete(need, request)
+    assert need[request] >= 2 and need[request] > others.max(), (pool, need)  # the case's premise
+    arrays = {k: np.array(v) for k, v in batch.to_arrays().items()}
+    arrays[TABLE_FIELDS[pool]] = arrays[TABLE_FIELDS[pool]][:, :int(need[request]) - 1].copy()
+    return batch, arrays, int(need[request])
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("pool", WIDTH_POOLS)
+def test_a_table_too_narrow_for_one_request_names_it_wherever_it_is(pool: PoolName, place: str):
+    request = PLACES[place]
+    batch, arrays, need = _width_case(pool, request)
+    report = validate(arrays, batch.config, batch.policy, batch.pool_blocks)  # must not raise (IndexError)
+    width = [issue for issue in report.issues if issue.code == "tables.width"]
+    assert width, f"{TABLE_FIELDS[pool]} one column short for request {request} ({place}) accepted: {report.codes}"
+    assert width[0].field == TABLE_FIELDS[pool] and width[0].request == request, width[0]
+    assert width[0].expected == need and width[0].actual == need - 1, width[0]
