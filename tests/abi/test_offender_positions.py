@@ -8,7 +8,9 @@ rule and that request, without raising.
 The mutations are the library's own single-rule mutations (:data:`dspark_abi.testing.MUTATIONS`): for each rule
 and place, the first seed whose mutation lands on the wanted request is used. Where the mutation lands is read
 from the arrays it changed (never from the report under test). The table-width rule has no such mutation (the
-library's narrows a table to no column at all, a shape error), so it has its own cases below.
+library's narrows a table to no column at all, a shape error), so it has its own cases below, and so do the
+request-level rules of ``query_start_loc`` (an empty request under ``allow_empty_requests=False``) and
+``request_ids`` (an id used twice: the second use is named).
 """
 
 from __future__ import annotations
@@ -141,3 +143,27 @@ def test_a_table_too_narrow_for_one_request_names_it_wherever_it_is(pool: PoolNa
     assert width, f"{TABLE_FIELDS[pool]} one column short for request {request} ({place}) accepted: {report.codes}"
     assert width[0].field == TABLE_FIELDS[pool] and width[0].request == request, width[0]
     assert width[0].expected == need and width[0].actual == need - 1, width[0]
+
+
+# ------------------------------------------------------------------------------ query_start_loc and request ids
+@pytest.mark.parametrize("place", PLACES)
+def test_an_empty_request_is_named_wherever_it_is(place: str):
+    """With ``allow_empty_requests=False`` the empty request is reported (its index in query_start_loc is the
+    next entry, which repeats its start)."""
+    request = PLACES[place]
+    requests = [(10, 3), (20, 4)]
+    requests.insert(request, (5, 0))
+    batch = _build(tuple(requests))
+    strict = batch.policy.model_copy(update={"allow_empty_requests": False})
+    report = validate(batch.to_arrays(), batch.config, strict, batch.pool_blocks)
+    (issue,) = [i for i in report.issues if i.code == "qsl.empty_request"]
+    assert (issue.request, issue.index, issue.count) == (request, request + 1, 1), issue
+
+
+@pytest.mark.parametrize(("first", "second"), [(0, 1), (1, 2), (0, 2)])
+def test_a_repeated_request_id_names_its_second_use_wherever_the_pair_is(first: int, second: int):
+    arrays = {k: np.array(v) for k, v in BATCH.to_arrays().items()}
+    arrays["request_ids"][second] = arrays["request_ids"][first]
+    report = validate(arrays, BATCH.config, BATCH.policy, BATCH.pool_blocks)
+    (issue,) = [i for i in report.issues if i.code == "request_ids.duplicate"]
+    assert (issue.request, issue.actual) == (second, [first, second]), issue
