@@ -24,12 +24,12 @@ from tolerances import MAX_DIFFERING_FRACTION, bf16_ulp
 
 from dspark_abi.presets import TINY
 from dspark_kernels import LayerCaches, attention
-from dspark_kernels.model.numerics import bf16_round, narrow
+from dspark_kernels.model.numerics import bf16_round, int8_quantize, narrow
 from dspark_kernels.model.prepared import prepare_weights
-from dspark_kernels.model.rope import rope_at
+from dspark_kernels.model.rope import apply_rope, rope_at
 from dspark_kernels.reference.indexer import index_query, index_scores
 from dspark_kernels.reference.paged import gather_rows, request_rows
-from dspark_kernels.reference.projections import low_rank_query
+from dspark_kernels.reference.projections import low_rank_query, query_heads
 from dspark_kernels.reference.sparse_attention import sparse_attention
 
 from .conftest import build, hidden_rows, new_allocator, rel_err, sequence
@@ -157,3 +157,56 @@ def test_a2a3_core_rounds_the_probabilities_and_the_output_to_bf16():
     rounded = bf16_round(want.astype(np.float32))
     assert np.all(np.abs(got - rounded) <= bf16_ulp(want))
     assert np.mean(got != rounded) <= MAX_DIFFERING_FRACTION
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2, 3])
+def test_a2a3_attention_takes_bf16_rows_and_writes_bf16_caches_and_outputs(layer, tiny_weights):
+    """The a2a3 kernels receive bf16 hidden rows, store bf16 KV rows (window and compressed entries, after RoPE)
+    and return bf16 outputs (the o-projection's). So rows that round to the same bf16 values give identical
+    results, and every stored KV row and output is a bf16 value. (The fp32 tolerances above cannot see one
+    rounding step more or less.)"""
+    lengths = {0: 40, 1: 23, 2: 140}
+    seqs = {r: sequence(r, n) for r, n in lengths.items()}
+    runs = []
+    for narrowed in (False, True):
+        batch = build(new_allocator(), [(r, 0, n) for r, n in lengths.items()], tp=2)
+        caches = LayerCaches.allocate(TINY, layer, batch.pool_blocks, "a2a3")
+        x = hidden_rows(batch, seqs)
+        assert narrowed or np.any(bf16_round(x) != x)  # the premise: the rows are not bf16 values yet
+        out = attention(batch, layer, bf16_round(x) if narrowed else x, tiny_weights[layer], caches,
+                        precision="a2a3")
+        runs.append((out, caches))
+    (out, caches), (out_bf16, caches_bf16) = runs
+    np.testing.assert_array_equal(out, out_bf16)
+    np.testing.assert_array_equal(bf16_round(out), out)
+    for name in ("ori", "csa_cmp", "hca_cmp", "csa_state", "csa_inner_state", "hca_state", "idx", "idx_scale"):
+        pool = getattr(caches, name)
+        if pool is None:
+            continue
+        np.testing.assert_array_equal(pool, getattr(caches_bf16, name), err_msg=name)
+        if name in ("ori", "csa_cmp", "hca_cmp"):
+            np.testing.assert_array_equal(bf16_round(pool), pool, err_msg=name)
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_a2a3_queries_are_bf16_after_rope(layer, tiny_weights):
+    """The attention queries (RoPE applied) and the indexer queries before the Hadamard rotation and int8
+    quantisation are bf16 values in a2a3; the indexer's int8 queries are those of the bf16 rows."""
+    batch = build(new_allocator(), [(0, 0, 30), (1, 0, 9)])
+    pos = batch.positions.astype(np.int64)
+    x = bf16_round(hidden_rows(batch, {0: sequence(0, 30), 1: sequence(1, 9)}))
+    w = prepare_weights(tiny_weights[layer], "a2a3")
+    kind = TINY.layer_kind(layer)
+    cos, sin = rope_at(TINY, kind, pos, "a2a3")
+    lrq = low_rank_query(x, w, TINY.rms_norm_eps, "a2a3")
+    q = query_heads(lrq, w, cos, sin, TINY.num_attention_heads, TINY.rms_norm_eps, "a2a3")
+    np.testing.assert_array_equal(bf16_round(q), q)
+    if w.idx_wq_b is None:
+        return
+    iq = index_query(lrq, x, w, cos, sin, TINY.index_n_heads, TINY.index_weight_scale, "a2a3")
+    # restated from the stage's formula: wq_b projection, RoPE, bf16, Hadamard rotation, per-row int8
+    q_idx = lrq.project(w.idx_wq_b, w.idx_wq_b_scale, "attn.indexer.wq_b")
+    q_idx = bf16_round(apply_rope(q_idx.reshape(q_idx.shape[0], TINY.index_n_heads, -1), cos, sin))
+    q_q, q_scale = int8_quantize((q_idx.reshape(-1, q_idx.shape[2]) @ w.idx_hadamard).reshape(q_idx.shape))
+    np.testing.assert_array_equal(iq.q, q_q)
+    np.testing.assert_array_equal(iq.q_scale, q_scale)
