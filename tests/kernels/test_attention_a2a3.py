@@ -162,9 +162,9 @@ def test_a2a3_core_rounds_the_probabilities_and_the_output_to_bf16():
 @pytest.mark.parametrize("layer", [0, 1, 2, 3])
 def test_a2a3_attention_takes_bf16_rows_and_writes_bf16_caches_and_outputs(layer, tiny_weights):
     """The a2a3 kernels receive bf16 hidden rows, store bf16 KV rows (window and compressed entries, after RoPE)
-    and return bf16 outputs (the o-projection's). So rows that round to the same bf16 values give identical
-    results, and every stored KV row and output is a bf16 value. (The fp32 tolerances above cannot see one
-    rounding step more or less.)"""
+    and int8 indexer keys of bf16 rows, and return bf16 outputs (the o-projection's). So rows that round to the
+    same bf16 values give identical results, and every stored KV row and output is a bf16 value. (The fp32
+    tolerances above cannot see one rounding step more or less.)"""
     lengths = {0: 40, 1: 23, 2: 140}
     seqs = {r: sequence(r, n) for r, n in lengths.items()}
     runs = []
@@ -186,6 +186,13 @@ def test_a2a3_attention_takes_bf16_rows_and_writes_bf16_caches_and_outputs(layer
         np.testing.assert_array_equal(pool, getattr(caches_bf16, name), err_msg=name)
         if name in ("ori", "csa_cmp", "hca_cmp"):
             np.testing.assert_array_equal(bf16_round(pool), pool, err_msg=name)
+    if caches.idx_scale is not None:
+        # idx keys are int8 of bf16 rows: each written row's scale 1 / (127 / amax) comes from a bf16 amax (the
+        # fp32 roundings of the two divisions are far below half a bf16 step, so the amax is recovered exactly)
+        scale = caches.idx_scale[caches.idx_scale > 0]
+        amax = bf16_round(np.float32(127) / (np.float32(1) / scale))
+        assert scale.size and np.all(amax > 1e-3)  # above int8_quantize's amax floor (not a bf16 value)
+        np.testing.assert_array_equal(np.float32(1) / (np.float32(127) / amax), scale)
 
 
 @pytest.mark.parametrize("layer", [1, 2])
