@@ -3,7 +3,8 @@
 A rule evaluated over ``requests[:-1]`` or ``requests[1:]`` (an off-by-one in a per-request mask, a loop bound,
 a slice of ``query_start_loc``) passes every test whose offender is request 0. Each case here breaks one rule in
 exactly one request of a three-request batch, at each of the three places, and requires the report to name that
-rule and that request, without raising.
+rule and that request, without raising: through :func:`dspark_abi.validate` and through a serving loop's
+:class:`~dspark_abi.incremental.StepValidator`, which checks pages incrementally against the loop's previous step.
 
 The mutations are the library's own single-rule mutations (:data:`dspark_abi.testing.MUTATIONS`): for each rule
 and place, the first seed whose mutation lands on the wanted request is used. Where the mutation lands is read
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
+from dspark_abi.errors import ValidationReport
+from dspark_abi.incremental import StepValidator
 from dspark_abi.layout import POOL_NAMES, PoolName, live_pages
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.presets import TINY
@@ -39,16 +42,36 @@ PER_REQUEST_CODES = (
 SEEDS = range(200)
 
 
-def _build(requests: tuple[tuple[int, int], ...], blocks: int = 128) -> PackedBatch:
+def _steps(requests: tuple[tuple[int, int], ...], blocks: int = 512) -> tuple[PackedBatch, PackedBatch]:
+    """Two steps of one serving loop: every request's cached prefix as a first chunk, then its new tokens."""
     # pad_position="zero": moving the last request's positions leaves the padding rows' positions alone
     builder = BatchBuilder(TINY, PaddingPolicy(tp_size=2, pad_position="zero"),
                            BlockAllocator(TINY, PoolBlocks.uniform(blocks)))
+    for rid, (cached, _new) in enumerate(requests):
+        builder.add(rid, num_cached=0, num_new=cached, token_ids=np.arange(cached) + 1)
+    first = builder.build()
     for rid, (cached, new) in enumerate(requests):
         builder.add(rid, num_cached=cached, num_new=new, token_ids=np.arange(new) + 1)
-    return builder.build()
+    return first, builder.build()
 
 
-BATCH = _build(REQUESTS)
+def _build(requests: tuple[tuple[int, int], ...], blocks: int = 512) -> PackedBatch:
+    return _steps(requests, blocks)[1]
+
+
+FIRST, BATCH = _steps(REQUESTS)
+#: The validators that must agree: validate(), and a serving loop's StepValidator checking the step against the
+#: loop's previous one (its incremental page rules), with ring pools checked in full or tracked.
+VALIDATORS = ("validate", "step", "step_tracked")
+
+
+def _validate(how: str, first: PackedBatch, arrays: dict[str, np.ndarray], batch: PackedBatch) -> ValidationReport:
+    if how == "validate":
+        return validate(arrays, batch.config, batch.policy, batch.pool_blocks)
+    validator = StepValidator(batch.config, batch.policy, batch.pool_blocks,
+                              ring_pools="tracked" if how == "step_tracked" else "exact")
+    assert validator.validate(first).ok  # the loop's previous step: the baseline
+    return validator.validate(arrays)
 
 
 def _row_requests(batch: PackedBatch, rows: np.ndarray) -> set[int]:
@@ -100,12 +123,14 @@ def _case_at(code: str, request: int) -> MutatedBatch:
     raise AssertionError(f"no mutation of {code} among {len(SEEDS)} seeds lands on request {request} alone")
 
 
+@pytest.mark.parametrize("how", VALIDATORS)
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("code", PER_REQUEST_CODES)
-def test_every_per_request_rule_names_the_offender_wherever_it_is(code: str, place: str):
+def test_every_per_request_rule_names_the_offender_wherever_it_is(code: str, place: str, how: str):
     request = PLACES[place]
     case = _case_at(code, request)
-    report = validate(case.arrays, case.config, case.policy, case.pool_blocks, hidden=case.hidden)
+    assert case.hidden is None  # no per-request rule needs hidden rows
+    report = _validate(how, FIRST, case.arrays, BATCH)
     named = [issue.request for issue in report.issues if issue.code == code]
     assert named, f"{code} broken in request {request} ({place}) not reported: {report.codes}"
     assert named[0] == request, (code, place, named)
@@ -120,25 +145,26 @@ OFFENDER, OTHERS = (200, 70), ((40, 7), (130, 9))
 WIDTH_POOLS: tuple[PoolName, ...] = ("ori", "csa_cmp", "idx", "csa_state", "csa_inner_state", "hca_state")
 
 
-def _width_case(pool: PoolName, request: int) -> tuple[PackedBatch, dict[str, np.ndarray], int]:
+def _width_case(pool: PoolName, request: int) -> tuple[PackedBatch, PackedBatch, dict[str, np.ndarray], int]:
     requests = list(OTHERS)
     requests.insert(request, OFFENDER)
-    batch = _build(tuple(requests))
+    first, batch = _steps(tuple(requests))
     pl = TINY.layout.pools[pool]
     need = live_pages(pl, batch.request_starts, batch.request_starts + batch.request_lengths, TINY.sliding_window)
     others = np.delete(need, request)
     assert need[request] >= 2 and need[request] > others.max(), (pool, need)  # the case's premise
     arrays = {k: np.array(v) for k, v in batch.to_arrays().items()}
     arrays[TABLE_FIELDS[pool]] = arrays[TABLE_FIELDS[pool]][:, :int(need[request]) - 1].copy()
-    return batch, arrays, int(need[request])
+    return first, batch, arrays, int(need[request])
 
 
+@pytest.mark.parametrize("how", VALIDATORS)
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("pool", WIDTH_POOLS)
-def test_a_table_too_narrow_for_one_request_names_it_wherever_it_is(pool: PoolName, place: str):
+def test_a_table_too_narrow_for_one_request_names_it_wherever_it_is(pool: PoolName, place: str, how: str):
     request = PLACES[place]
-    batch, arrays, need = _width_case(pool, request)
-    report = validate(arrays, batch.config, batch.policy, batch.pool_blocks)  # must not raise (IndexError)
+    first, batch, arrays, need = _width_case(pool, request)
+    report = _validate(how, first, arrays, batch)  # must not raise (IndexError)
     width = [issue for issue in report.issues if issue.code == "tables.width"]
     assert width, f"{TABLE_FIELDS[pool]} one column short for request {request} ({place}) accepted: {report.codes}"
     assert width[0].field == TABLE_FIELDS[pool] and width[0].request == request, width[0]
