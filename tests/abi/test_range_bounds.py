@@ -4,7 +4,9 @@ reported under its code, naming the element at the bound.
 An off-by-one (``>`` for ``>=``, a bound taken from the wrong size) moves a bound by one; randomised batches reach
 a bound exactly only by chance. Bounds: positions ``[0, max_position_embeddings)`` (live and padding rows), token
 ids ``[0, vocab_size)``, block ids ``-1`` or ``[0, blocks)``, slots ``-1`` or ``[0, blocks * page_size)``, logit rows
-``-1`` or ``[0, N)``, ``N <= token_cap``, table widths ``[1, full table width]``.
+``-1`` or ``[0, N)``, ``N <= token_cap``, table widths ``[1, full table width]``. Each case goes through
+:func:`dspark_abi.validate` and a serving loop's :class:`~dspark_abi.incremental.StepValidator`, whose reports
+must be equal.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
-from dspark_abi.errors import Issue
+from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy, PoolBlocks, validate
+from dspark_abi.errors import Issue, ValidationReport
+from dspark_abi.incremental import StepValidator
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.presets import TINY
@@ -41,10 +44,18 @@ def _arrays(batch: PackedBatch) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in batch.to_arrays().items()}
 
 
+def _report(arrays: dict[str, np.ndarray], config: ModelConfig, policy: PaddingPolicy,
+            pool_blocks: PoolBlocks) -> ValidationReport:
+    """validate()'s report, which a serving loop's StepValidator (its first step here) must give too."""
+    report = validate(arrays, config, policy, pool_blocks)
+    assert StepValidator(config, policy, pool_blocks).validate(arrays) == report
+    return report
+
+
 def _check(batch: PackedBatch, arrays: dict[str, np.ndarray], code: str | None, *, index: int | None = None,
            policy: PaddingPolicy | None = None, pool_blocks: PoolBlocks | None = None) -> Issue | None:
     """Validate; ``code`` None: nothing reported; else ``code`` reported once, for one element (``index``)."""
-    report = validate(arrays, batch.config, policy or batch.policy, pool_blocks or batch.pool_blocks)
+    report = _report(arrays, batch.config, policy or batch.policy, pool_blocks or batch.pool_blocks)
     if code is None:
         assert report.ok, report.issues
         return None
@@ -158,7 +169,7 @@ def test_slot_bounds(pool: PoolName):
     for value, in_range in ((rows - 1, True), (rows, False), (-2, False)):
         arrays = _arrays(batch)
         arrays[SLOT_FIELDS[pool]][t] = value
-        report = validate(arrays, batch.config, batch.policy, batch.pool_blocks)
+        report = _report(arrays, batch.config, batch.policy, batch.pool_blocks)
         hits = [issue for issue in report.issues if issue.code == "slots.range"]
         if in_range:
             assert not hits and report.codes, (value, report.codes)  # reported as a mismatch, not out of range
