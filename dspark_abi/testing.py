@@ -28,9 +28,10 @@ from dspark_abi.allocator import BlockAllocator
 from dspark_abi.batch import PackedBatch
 from dspark_abi.builder import BatchBuilder
 from dspark_abi.config import ModelConfig
+from dspark_abi.fields import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.layout import POOL_NAMES, PoolName, table_column, touched_pages
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.presets import TINY
 
 TP_SIZES = (1, 2, 4, 8)

@@ -17,10 +17,11 @@ import numpy as np
 
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.fields import BATCH_FIELDS, BY_NAME, SLOT_FIELDS, TABLE_FIELDS, FieldSpec
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.lowering import query_start_loc_issues
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.rules import check_deep
 
 Level = Literal["shape", "full"]
@@ -54,14 +55,17 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
         issues.extend(exc.issues)
         blocks = None
 
-    qsl = _array(arrays, "query_start_loc", np.int32, 1, issues)
+    qsl = _array(arrays, BY_NAME["query_start_loc"], issues)
     geometry = _check_qsl(qsl, policy, issues) if qsl is not None else None
     n_req = len(qsl) - 1 if qsl is not None and qsl.ndim == 1 and len(qsl) >= 2 else None
     rows = geometry[1] if geometry else None
-
-    positions = _array(arrays, "positions", np.int32, 1, issues, rows=rows)
-    tables = {p: _array(arrays, TABLE_FIELDS[p], np.int32, 2, issues) for p in POOL_NAMES}
-    slots = {p: _array(arrays, SLOT_FIELDS[p], np.int64, 1, issues, rows=rows) for p in POOL_NAMES}
+    # presence, dtype, rank and row count of every declared field, in ABI order (a table's request count and width
+    # are R13's and R12's, reported between the required and the optional fields)
+    got = {f.name: _array(arrays, f, issues, rows=_leading_rows(f, rows, n_req))
+           for f in BATCH_FIELDS if f.required and f.name != "query_start_loc"}
+    positions = got["positions"]
+    tables = {p: got[TABLE_FIELDS[p]] for p in POOL_NAMES}
+    slots = {p: got[SLOT_FIELDS[p]] for p in POOL_NAMES}
     layout = config.layout
     for p, t in tables.items():
         if t is None or t.ndim != 2:
@@ -76,9 +80,9 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
                                 fix=f"give {TABLE_FIELDS[p]} at most {layout.pools[p].table_width} columns (ring "
                                     f"width {layout.pools[p].ring_width} for ring pools, the widest live range for "
                                     "compressed pools)"))
-    request_ids = _array(arrays, "request_ids", np.int64, 1, issues, rows=n_req, required=False)
-    token_ids = _array(arrays, "token_ids", np.int64, 1, issues, rows=rows, required=False)
-    logit_rows = _array(arrays, "logit_rows", np.int32, 1, issues, required=False)
+    got |= {f.name: _array(arrays, f, issues, rows=_leading_rows(f, rows, n_req)) for f in BATCH_FIELDS
+            if not f.required}
+    request_ids, token_ids, logit_rows = got["request_ids"], got["token_ids"], got["logit_rows"]
     hidden_arr = None
     if isinstance(hidden, np.ndarray) and type(hidden) is not np.ndarray:
         issues.append(subclass_issue("hidden", hidden))
@@ -115,28 +119,36 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     return ValidationReport(tuple(issues))
 
 
-def _array(arrays: Mapping[str, Any], name: str, dtype: Any, ndim: int, issues: list[Issue], *,
-           rows: int | None = None, required: bool = True) -> np.ndarray | None:
-    """Fetch one field, check dtype / rank / row count; None when absent or unusable."""
+def _leading_rows(spec: FieldSpec, rows: int | None, n_req: int | None) -> int | None:
+    """Rows a 1-D field must have: P for a row-indexed field, R for a per-request one; None when not checked here."""
+    if spec.ndim != 1:
+        return None
+    return {"P": rows, "R": n_req}.get(spec.shape[0])
+
+
+def _array(arrays: Mapping[str, Any], spec: FieldSpec, issues: list[Issue], *,
+           rows: int | None = None) -> np.ndarray | None:
+    """Fetch one field, check its declared dtype / rank and its row count; None when absent or unusable."""
+    name = spec.name
     if name not in arrays or arrays[name] is None:
-        if required:
+        if spec.required:
             issues.append(Issue("array.missing", name, "required field is absent", expected="present",
                                 actual="missing"))
         return None
     a = arrays[name]
     if not isinstance(a, np.ndarray):
-        issues.append(Issue("array.dtype", name, "must be a numpy array", expected=np.dtype(dtype).name,
+        issues.append(Issue("array.dtype", name, "must be a numpy array", expected=spec.dtype,
                             actual=type(a).__name__))
         return None
     if type(a) is not np.ndarray:  # a masked array hides entries from every rule; a matrix breaks indexing
         issues.append(subclass_issue(name, a))
         return None
-    if a.dtype != dtype:
-        issues.append(Issue("array.dtype", name, "wrong dtype", expected=np.dtype(dtype).name, actual=a.dtype.name))
+    if a.dtype != np.dtype(spec.dtype):
+        issues.append(Issue("array.dtype", name, "wrong dtype", expected=spec.dtype, actual=a.dtype.name))
         return None
-    if a.ndim != ndim:
+    if a.ndim != spec.ndim:
         code = "qsl.shape" if name == "query_start_loc" else "array.shape"
-        issues.append(Issue(code, name, f"must have {ndim} dimension(s)", expected=ndim, actual=a.ndim))
+        issues.append(Issue(code, name, f"must have {spec.ndim} dimension(s)", expected=spec.ndim, actual=a.ndim))
         return None
     if rows is not None and a.shape[0] != rows:
         issues.append(Issue("geometry.rows", name, "row count must match the geometry", expected=rows,
