@@ -3,12 +3,18 @@ presence / dtype / rank / row checks, PackedBatch.from_arrays / to_arrays, the p
 names, the fixture manifest and the JSON Schema (the spec's table: tests/spec/test_field_table.py)."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import attrs
 import numpy as np
 import pytest
 
-from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
+import dspark_abi
+from dspark_abi import ABI_VERSION, BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
 from dspark_abi.fields import BATCH_FIELDS, BY_NAME, FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
 from dspark_abi.io import fixtures
 from dspark_abi.io.manifest import ABI_TENSORS, EXTRA_PREFIX, HIDDEN_TENSOR, OPTIONAL_TENSORS, REQUIRED_TENSORS
@@ -17,6 +23,8 @@ from dspark_abi.layout import POOL_NAMES
 from dspark_abi.presets import TINY
 from dspark_abi.ranks import LOCAL, REPLICATED, merge_rank_arrays, split_rank_arrays
 from dspark_abi.upstream import UPSTREAM_TENSORS, from_upstream, to_upstream
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _batch(tp=2):
@@ -45,7 +53,8 @@ def test_the_declaration_is_one_list_of_unique_names():
     assert flags == sorted(flags, reverse=True)
     for f in FIELDS:
         assert f.dtype == "floating" or np.dtype(f.dtype).name == f.dtype
-        assert f.scope in ("replicated", "rank_local") and f.since in ("1.0", "1.1")
+        assert f.scope in ("replicated", "rank_local")
+        assert (1, 0) <= tuple(map(int, f.since.split("."))) <= tuple(map(int, ABI_VERSION.split(".")))
         assert f.meaning and f.padding_doc
         # a field with a padding value has a row axis of P; one without has none
         assert (f.padding is not None) == (f.shape[0] == "P"), f.name
@@ -154,3 +163,68 @@ def test_manifest_and_schema_list_the_declared_tensors(tmp_path):
 def test_field_spec_is_frozen():
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         BY_NAME["positions"].dtype = "int64"  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------- a new field
+#: The two hand edits that add an optional [R] field (the value rules, codes and docs of a real field come on top).
+NEW_FIELD_DECLARATION = '''    FieldSpec("draft_counts", "int32", ("R",), None, "replicated", False, "1.1",
+              "drafted rows of each request (hypothetical)", "–"),
+'''
+NEW_FIELD_ATTRIBUTE = '''    draft_counts: np.ndarray | None = _afield("draft_counts", True)
+'''
+NEW_FIELD_CHECKS = '''
+import json, sys
+from pathlib import Path
+import numpy as np
+from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
+from dspark_abi.io import fixtures, schema, spec_table
+from dspark_abi.presets import TINY
+from dspark_abi.ranks import split_rank_arrays
+
+tmp = Path(sys.argv[1])
+builder = BatchBuilder(TINY, PaddingPolicy(tp_size=2), BlockAllocator(TINY, PoolBlocks.uniform(64)))
+builder.add(7, num_cached=0, num_new=5)
+builder.add(8, num_cached=0, num_new=4)
+batch = builder.build()
+arrays = batch.to_arrays() | {"draft_counts": np.array([3, 0], np.int32)}
+new = PackedBatch.from_arrays(arrays, batch.config, batch.policy, batch.pool_blocks)
+assert new.draft_counts.tolist() == [3, 0] and list(new.to_arrays())[-1] == "draft_counts"
+per_rank = split_rank_arrays(new.to_arrays(), new.policy)
+assert per_rank["draft_counts"].shape == (2, 2)
+assert PackedBatch.from_rank_arrays(per_rank, new.config, new.policy, new.pool_blocks) == new
+assert new.rank(1).positions.size == new.local_rows
+assert fixtures.load(fixtures.save(tmp / "new.safetensors", new)).batch == new
+codes = lambda **kw: validate(arrays | kw, batch.config, batch.policy, batch.pool_blocks).codes
+assert codes() == set()
+assert codes(draft_counts=np.array([3, 0], np.int64)) == {"array.dtype"}
+assert codes(draft_counts=np.array([3, 0, 1], np.int32)) == {"geometry.rows"}
+assert schema.main([str(tmp / "abi.schema.json")]) == 0
+doc = json.loads((tmp / "abi.schema.json").read_text())
+assert "draft_counts" in doc["properties"]["tensors"]["propertyNames"]["anyOf"][0]["enum"]
+assert "draft_counts" in [f["name"] for f in doc["x-dspark-fields"]]
+assert spec_table.main([str(tmp / "abi.md")]) == 0
+assert "| `draft_counts` (optional) | [R] | int32 | replicated | 1.1 |" in (tmp / "abi.md").read_text()
+print("ok")
+'''
+
+
+def test_a_new_optional_request_field_is_one_declaration_and_one_attribute(tmp_path):
+    """In a copy of the package: declare an optional [R] field and give PackedBatch its attribute; nothing else
+    is edited. from_arrays / to_arrays, the per-rank form, fixture files, the validator's dtype and row checks,
+    the JSON Schema and the spec's table then carry it (its value rules would be the only further code)."""
+    src = Path(dspark_abi.__file__).parent
+    copy = tmp_path / "pkg" / "dspark_abi"
+    shutil.copytree(src, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "spec_v1"))
+    for name, anchor, text in (("fields.py", '    FieldSpec("hidden", "floating"', NEW_FIELD_DECLARATION),
+                               ("batch.py", '    logit_rows: np.ndarray | None = _afield("logit_rows", True)\n',
+                                NEW_FIELD_ATTRIBUTE)):
+        source = (copy / name).read_text()
+        assert source.count(anchor) == 1, name
+        at = source.index(anchor) + (len(anchor) if name == "batch.py" else 0)
+        (copy / name).write_text(source[:at] + text + source[at:])
+    (tmp_path / "abi.md").write_text((REPO / "spec" / "v1" / "abi.md").read_text())
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "pkg"))
+    # cwd: python -c puts it first on sys.path, and the copy must shadow the checkout
+    done = subprocess.run([sys.executable, "-c", NEW_FIELD_CHECKS, str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
