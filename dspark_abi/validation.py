@@ -60,7 +60,7 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     n_req = len(qsl) - 1 if qsl is not None and qsl.ndim == 1 and len(qsl) >= 2 else None
     rows = geometry[1] if geometry else None
     # presence, dtype, rank and row count of every declared field, in ABI order (a table's request count and width
-    # are R13's and R12's, reported between the required and the optional fields)
+    # are R11's and R12's, reported between the required and the optional fields, as ever)
     got = {f.name: _array(arrays, f, issues, rows=_leading_rows(f, rows, n_req))
            for f in BATCH_FIELDS if f.required and f.name != "query_start_loc"}
     positions = got["positions"]
