@@ -25,6 +25,8 @@ from dspark_abi.pools import PoolBlocks
 from dspark_abi.rules import check_deep
 
 Level = Literal["shape", "full"]
+#: The declaration of the hidden rows, a side input (checked here, not carried by the batch).
+HIDDEN = BY_NAME["hidden"]
 
 #: Fix of ``qsl.token_count`` when N = 0 (the generic hint, "split the batch", is for N > token_cap).
 EMPTY_BATCH_FIX = ("add at least one request with new tokens (num_new >= 1): an empty batch has nothing to prefill; "
@@ -92,9 +94,9 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
             issues.append(Issue("array.dtype", "hidden", "hidden rows must be floating point",
                                 expected="float32 / bfloat16", actual=str(hidden_arr.dtype)))
             hidden_arr = None
-        elif hidden_arr.ndim < 2:
-            issues.append(Issue("array.shape", "hidden", "hidden rows must be [P, ...] with a feature axis",
-                                expected="[P, ...]", actual=list(hidden_arr.shape)))
+        elif hidden_arr.ndim < HIDDEN.ndim:     # its declared [P, ...]: at least a feature axis
+            issues.append(Issue("array.shape", "hidden", f"hidden rows must be {HIDDEN.shape_text()} with a feature "
+                                "axis", expected=HIDDEN.shape_text(), actual=list(hidden_arr.shape)))
             hidden_arr = None
         elif rows is not None and hidden_arr.shape[0] != rows:
             issues.append(Issue("geometry.rows", "hidden", "needs P rows", expected=rows, actual=hidden_arr.shape[0]))
