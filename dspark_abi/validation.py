@@ -27,6 +27,12 @@ from dspark_abi.rules import check_deep
 Level = Literal["shape", "full"]
 #: The declaration of the hidden rows, a side input (checked here, not carried by the batch).
 HIDDEN = BY_NAME["hidden"]
+#: Per batch field, what the shape level checks, read from its declaration once: (declaration, numpy dtype,
+#: rank, the symbol of its row count when one-dimensional: "P" rows or "R" entries, else None).
+_SHAPE_RULES = tuple((f, np.dtype(f.dtype), f.ndim, f.shape[0] if f.ndim == 1 and f.shape[0] in ("P", "R") else None)
+                     for f in BATCH_FIELDS)
+#: query_start_loc's, checked first: it defines the geometry the other fields' row counts are checked against.
+_QSL_RULE = next(r for r in _SHAPE_RULES if r[0].name == "query_start_loc")
 
 #: Fix of ``qsl.token_count`` when N = 0 (the generic hint, "split the batch", is for N > token_cap).
 EMPTY_BATCH_FIX = ("add at least one request with new tokens (num_new >= 1): an empty batch has nothing to prefill; "
@@ -57,14 +63,15 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
         issues.extend(exc.issues)
         blocks = None
 
-    qsl = _array(arrays, BY_NAME["query_start_loc"], issues)
+    qsl = _array(arrays, *_QSL_RULE[:3], issues)
     geometry = _check_qsl(qsl, policy, issues) if qsl is not None else None
     n_req = len(qsl) - 1 if qsl is not None and qsl.ndim == 1 and len(qsl) >= 2 else None
     rows = geometry[1] if geometry else None
     # presence, dtype, rank and row count of every declared field, in ABI order (a table's request count and width
     # are R11's and R12's, reported between the required and the optional fields, as ever)
-    got = {f.name: _array(arrays, f, issues, rows=_leading_rows(f, rows, n_req))
-           for f in BATCH_FIELDS if f.required and f.name != "query_start_loc"}
+    count = {"P": rows, "R": n_req, None: None}
+    got = {f.name: _array(arrays, f, dtype, ndim, issues, rows=count[symbol])
+           for f, dtype, ndim, symbol in _SHAPE_RULES if f.required and f is not _QSL_RULE[0]}
     positions = got["positions"]
     tables = {p: got[TABLE_FIELDS[p]] for p in POOL_NAMES}
     slots = {p: got[SLOT_FIELDS[p]] for p in POOL_NAMES}
@@ -82,8 +89,8 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
                                 fix=f"give {TABLE_FIELDS[p]} at most {layout.pools[p].table_width} columns (ring "
                                     f"width {layout.pools[p].ring_width} for ring pools, the widest live range for "
                                     "compressed pools)"))
-    got |= {f.name: _array(arrays, f, issues, rows=_leading_rows(f, rows, n_req)) for f in BATCH_FIELDS
-            if not f.required}
+    got |= {f.name: _array(arrays, f, dtype, ndim, issues, rows=count[symbol])
+            for f, dtype, ndim, symbol in _SHAPE_RULES if not f.required}
     request_ids, token_ids, logit_rows = got["request_ids"], got["token_ids"], got["logit_rows"]
     hidden_arr = None
     if isinstance(hidden, np.ndarray) and type(hidden) is not np.ndarray:
@@ -121,14 +128,7 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     return ValidationReport(tuple(issues))
 
 
-def _leading_rows(spec: FieldSpec, rows: int | None, n_req: int | None) -> int | None:
-    """Rows a 1-D field must have: P for a row-indexed field, R for a per-request one; None when not checked here."""
-    if spec.ndim != 1:
-        return None
-    return {"P": rows, "R": n_req}.get(spec.shape[0])
-
-
-def _array(arrays: Mapping[str, Any], spec: FieldSpec, issues: list[Issue], *,
+def _array(arrays: Mapping[str, Any], spec: FieldSpec, dtype: np.dtype[Any], ndim: int, issues: list[Issue], *,
            rows: int | None = None) -> np.ndarray | None:
     """Fetch one field, check its declared dtype / rank and its row count; None when absent or unusable."""
     name = spec.name
@@ -145,12 +145,12 @@ def _array(arrays: Mapping[str, Any], spec: FieldSpec, issues: list[Issue], *,
     if type(a) is not np.ndarray:  # a masked array hides entries from every rule; a matrix breaks indexing
         issues.append(subclass_issue(name, a))
         return None
-    if a.dtype != np.dtype(spec.dtype):
+    if a.dtype != dtype:
         issues.append(Issue("array.dtype", name, "wrong dtype", expected=spec.dtype, actual=a.dtype.name))
         return None
-    if a.ndim != spec.ndim:
+    if a.ndim != ndim:
         code = "qsl.shape" if name == "query_start_loc" else "array.shape"
-        issues.append(Issue(code, name, f"must have {spec.ndim} dimension(s)", expected=spec.ndim, actual=a.ndim))
+        issues.append(Issue(code, name, f"must have {ndim} dimension(s)", expected=ndim, actual=a.ndim))
         return None
     if rows is not None and a.shape[0] != rows:
         issues.append(Issue("geometry.rows", name, "row count must match the geometry", expected=rows,
