@@ -42,10 +42,11 @@ import numpy as np
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
+from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
 from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_pages, ring_width_for, table_column, touched_pages
 from dspark_abi.lowering import query_start_loc_issues
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.ranks import merge_rank_arrays
 from dspark_abi.validation import subclass_issue
 
@@ -62,29 +63,32 @@ UPSTREAM_TABLE_DEPTHS: dict[PoolName, int] = {
 #: MoE wave; pypto-lib's ``lm_head.MAX_LOGIT_ROWS`` has changed between releases, so it is a parameter).
 UPSTREAM_MAX_LOGIT_ROWS = 128
 
-#: Upstream name of each pool's block table and slot mapping (``prefill_fwd``'s parameters).
-UPSTREAM_TABLES: dict[PoolName, str] = {p: f"{p}_block_table" for p in POOL_NAMES} | {
-    p: f"{p.removesuffix('_state')}_compress_state_block_table" for p in ("csa_state", "csa_inner_state", "hca_state")}
-UPSTREAM_SLOTS: dict[PoolName, str] = {p: f"{p}_slot_mapping_full" for p in POOL_NAMES} | {
-    "idx": "csa_idx_slot_mapping_full"}
-_T, _S, _I32, _I64 = UPSTREAM_TABLES, UPSTREAM_SLOTS, np.dtype(np.int32), np.dtype(np.int64)
+#: Upstream name of each pool's block table and slot mapping (``prefill_fwd``'s parameters; declared with the fields).
+UPSTREAM_TABLES: dict[PoolName, str] = {p: str(f.upstream) for p, f in TABLE_SPECS.items()}
+UPSTREAM_SLOTS: dict[PoolName, str] = {p: str(f.upstream) for p, f in SLOT_SPECS.items()}
+_T, _S = UPSTREAM_TABLES, UPSTREAM_SLOTS
+#: Upstream tensor -> (the dspark field it carries, upstream's shape of one TP group with its rank axis).
+_UPSTREAM_OF = {f.upstream: f for f in BATCH_FIELDS if f.upstream} | {
+    f.upstream_local: f for f in BATCH_FIELDS if f.upstream_local}
+_UPSTREAM_SHAPE = {"query_start_loc": "[TP, R+1]", "position_ids_local": "[TP, L]", "input_ids": "[TP, L]",
+                   "logit_row_indices": "[TP, MAX_LOGIT_ROWS]"}
 #: The metadata tensors of ``l3_prefill_fwd``, in its parameter order: name -> (dtype, shape of one TP group).
 UPSTREAM_TENSORS: dict[str, tuple[np.dtype[Any], str]] = {
-    "query_start_loc": (_I32, "[TP, R+1]"),
-    **{_T[p]: (_I32, "[TP, R, depth]") for p in ("hca_state", "csa_state", "csa_inner_state", "ori", "hca_cmp",
-                                                 "csa_cmp", "idx")},
-    _S["ori"]: (_I64, "[TP, P]"), "position_ids_local": (_I32, "[TP, L]"), "position_ids_full": (_I32, "[TP, P]"),
-    "input_ids": (_I64, "[TP, L]"),
-    **{_S[p]: (_I64, "[TP, P]") for p in ("hca_cmp", "hca_state", "csa_cmp", "idx", "csa_state", "csa_inner_state")},
-    "logit_row_indices": (_I32, "[TP, MAX_LOGIT_ROWS]"),
+    name: (np.dtype(_UPSTREAM_OF[name].dtype),
+           _UPSTREAM_SHAPE.get(name, "[TP, R, depth]" if _UPSTREAM_OF[name].family == "tables" else "[TP, P]"))
+    for name in ("query_start_loc",
+                 *(_T[p] for p in ("hca_state", "csa_state", "csa_inner_state", "ori", "hca_cmp", "csa_cmp", "idx")),
+                 _S["ori"], "position_ids_local", "position_ids_full", "input_ids",
+                 *(_S[p] for p in ("hca_cmp", "hca_state", "csa_cmp", "idx", "csa_state", "csa_inner_state")),
+                 "logit_row_indices")
 }
+#: The field upstream publishes from the group leader only (see _leader_logit_rows), not as a replicated tensor.
+_LEADER_ONLY = "logit_rows"
 #: Per-rank dspark field (:mod:`dspark_abi.ranks`) -> upstream tensor; with the flat aliases, names issues.
-_PER_RANK = {"query_start_loc": "query_start_loc", "positions_full": "position_ids_full",
-             "positions_local": "position_ids_local", "token_ids_local": "input_ids"}
-_PER_RANK |= {TABLE_FIELDS[p]: _T[p] for p in POOL_NAMES} | {SLOT_FIELDS[p]: _S[p] for p in POOL_NAMES}
-_UPSTREAM_NAME = _PER_RANK | {"positions": "position_ids_full", "token_ids": "input_ids",
-                              "logit_rows": "logit_row_indices"}
-
+_PER_RANK = {f.per_rank_name: f.upstream for f in BATCH_FIELDS if f.upstream and f.name != _LEADER_ONLY} | {
+    f.local: f.upstream_local for f in BATCH_FIELDS if f.local and f.upstream_local}
+_UPSTREAM_NAME = _PER_RANK | {f.name: f.upstream or f.upstream_local for f in BATCH_FIELDS
+                              if f.upstream or f.upstream_local}
 
 def table_depths(config: ModelConfig) -> dict[PoolName, int]:
     """The config's own table widths: the depths of an upstream build compiled for its ``max_position_embeddings``
