@@ -8,7 +8,6 @@ types (:func:`parse_request`, :func:`int_in`, :func:`tp_size`), the output-path 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dspark_abi.errors import ABIError
+from dspark_abi.io import safe_write
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.presets import PRESETS
 
@@ -94,23 +94,18 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def check_output(option: str, path: str | None, example: str) -> None:
     """Refuse an output path that cannot be written, before any work is done (:class:`UsageError`).
 
-    ``path`` must name a file (not a directory; ``example`` is the file name suggested inside one) in an
-    existing directory this process may create files in.
+    ``path`` must name a regular file or a new file (not a directory, device, FIFO or socket; a symlink is
+    written through to its target; ``example`` is the file name suggested inside a directory) in an existing
+    directory this process can create files in (:func:`dspark_abi.io.safe_write.check_target`).
     """
     if path is None:
         return
-    target = Path(path)
-    parent = target.parent
-    shown = printable(path)
-    if target.is_dir():
-        raise UsageError(f"{option} {shown}: is a directory; give a file name inside it, e.g. "
-                         f"{printable(target / example)}")
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise UsageError(f"{option} {shown}: directory {printable(parent)} {what}; create it first (mkdir -p "
-                         f"{printable(parent)}) or write somewhere else")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {shown}: directory {printable(parent)} is not writable; write somewhere else")
+    try:
+        safe_write.check_target(path)
+    except safe_write.WriteTargetError as exc:
+        fix = f"give a file name inside it, e.g. {printable(Path(path) / example)}" \
+            if exc.code == "write.is_directory" else printable(exc.fix)
+        raise UsageError(f"{option} {printable(path)}: {printable(exc.reason)}; {fix}") from None
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:

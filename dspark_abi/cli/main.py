@@ -38,7 +38,7 @@ from dspark_abi.cli.common import (
 from dspark_abi.cli.files import add_file_commands, print_result
 from dspark_abi.config import ModelConfig
 from dspark_abi.conformance.runner import inspect_file
-from dspark_abi.io import fixtures
+from dspark_abi.io import fixtures, safe_write
 from dspark_abi.io.fixtures import FixtureFile
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
@@ -213,7 +213,7 @@ def render_png(batch: PackedBatch | Layout, path: str) -> None:
                  f"qsl={lay.query_start_loc.tolist()}")
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120, format="png")
+        safe_write.write_with(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     finally:
         plt.close(fig)
 
@@ -229,6 +229,8 @@ def _write(option: str, path: str, write: Callable[[], object]) -> None:
     """Run ``write()``, then say 'wrote PATH' on stderr (stdout stays the layout, e.g. one JSON document)."""
     try:
         write()
+    except safe_write.WriteTargetError as exc:
+        raise CommandError(f"{option} {printable(path)}: {printable(exc.reason)}; {printable(exc.fix)}") from None
     except OSError as exc:
         raise CommandError(f"{option} {printable(path)}: cannot write: {exc.strerror or exc}") from None
     print(f"wrote {printable(path)}", file=sys.stderr)

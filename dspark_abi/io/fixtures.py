@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig, issues_from_pydantic
 from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.io import safe_write
 from dspark_abi.io.manifest import (
     ABI_TENSORS,
     EXTRA_PREFIX,
@@ -119,14 +120,13 @@ def save(path: str | os.PathLike[str], batch: PackedBatch, *, tensors: Mapping[s
 def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], **kwargs: Any) -> Path:
     """Write flat ABI arrays without validating them (conformance vectors store invalid batches too).
 
-    Keyword arguments are those of :func:`encode`. The file is replaced atomically.
+    Keyword arguments are those of :func:`encode`. The file is replaced atomically, and only when it is a regular
+    file (or a symlink to one, written through): :mod:`dspark_abi.io.safe_write` (its ``WriteTargetError`` is an
+    ``OSError``).
     """
     data = encode(arrays, **kwargs)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-    return target
+    safe_write.write_bytes(path, data)
+    return Path(path)
 
 
 def encode(arrays: Mapping[str, np.ndarray], *, config: ModelConfig, policy: PaddingPolicy,

@@ -29,9 +29,9 @@ import numpy as np
 
 from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
-from dspark_abi.cli.common import Parser, UsageError, add_batch_arguments, check_output
+from dspark_abi.cli.common import Parser, UsageError, add_batch_arguments, check_output, printable
 from dspark_abi.errors import ABIError
-from dspark_abi.io import fixtures
+from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
 from dspark_kernels.api import prefill
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
@@ -144,8 +144,8 @@ def _save(path: str, batch: PackedBatch, hidden: np.ndarray, rows: np.ndarray, l
         tensors["inputs.token_ids"] = batch.token_ids
     try:
         fixtures.save(path, batch, tensors=tensors)
-    except OSError as exc:
-        raise RunError(f"--save {path}: cannot write ({exc.strerror or exc}); free space or save elsewhere") from None
+    except safe_write.WriteTargetError as exc:  # the reason the system gave, e.g. a full disk
+        raise RunError(f"--save {printable(path)}: {printable(exc.reason)}; {printable(exc.fix)}") from None
 
 
 def _run_batch(batch: PackedBatch, weights: ModelWeights, caches: ModelCaches, args: argparse.Namespace,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -114,10 +115,31 @@ def test_save_below_a_file_or_onto_a_directory_is_refused(capsys, no_compute, tm
 def test_save_into_read_only_directory_is_refused(capsys, no_compute, tmp_path, monkeypatch):
     folder = tmp_path / "ro"
     folder.mkdir(mode=0o500)
-    # root may write anywhere, so the permission answer is made the one an ordinary user gets
-    monkeypatch.setattr(os, "access", lambda path, mode: not (str(path) == str(folder) and mode & os.W_OK))
+    # root may write anywhere, so creating a file there fails as it does for an ordinary user
+    real_open = os.open
+
+    def deny(path, flags, *args):  # type: ignore[no-untyped-def]
+        if str(path).startswith(str(folder)) and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", deny)
     code, _, err = invoke(capsys, "--request", "3@0", "--save", str(folder / "x.safetensors"))
-    one_line_error(code, err, 2, "not writable")
+    one_line_error(code, err, 2, "cannot create a file", "Permission denied")
+
+
+def test_save_into_a_virtual_file_system_names_the_real_reason_before_computing(capsys, no_compute):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc on this system")
+    code, _, err = invoke(capsys, "--request", "3@0", "--save", "/proc/x")
+    line = one_line_error(code, err, 2, "/proc/x", "cannot create a file in directory /proc")
+    assert "free space" not in line
+
+
+def test_save_onto_dev_null_is_refused_and_dev_null_survives(capsys, no_compute):
+    code, _, err = invoke(capsys, "--request", "3@0", "--save", os.devnull)
+    one_line_error(code, err, 2, os.devnull, "character device", "left as it is")
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
 
 
 def test_save_with_json_keeps_stdout_one_json_document(capsys, tmp_path):
