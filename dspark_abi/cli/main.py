@@ -30,6 +30,7 @@ from dspark_abi.cli.common import (
     Parser,
     UsageError,
     add_batch_arguments,
+    add_version,
     check_output,
     int_in,
     printable,
@@ -273,12 +274,16 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark-abi", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build a packed batch from TOKENS@CACHED requests and show its layout")
     add_batch_arguments(build)
     build.add_argument("--pool-blocks", type=_pool_blocks, default=None, metavar="N",
                        help=f"blocks per pool, 1..{CLI_MAX_POOL_BLOCKS} (default: sized to fit)")
-    build.add_argument("--pad-position", choices=["zero", "continue"], default="zero")
+    build.add_argument("--pad-position", choices=["zero", "continue"], default="zero",
+                       help="positions of the padding rows (TP > 1 pads N to a multiple of TP): 'zero' (default) "
+                            "gives them position 0; 'continue' continues the last live row's position (p_last + 1, "
+                            "p_last + 2, ...), as upstream's b1 fixture does")
     build.add_argument("--json", action="store_true", help="machine-readable output")
     build.add_argument("--png", metavar="FILE", help="also draw the layout to a PNG (needs matplotlib)")
     build.add_argument("--save", metavar="FILE", help="also write the batch as a fixture file")

@@ -222,7 +222,14 @@ def read(path: str | os.PathLike[str]) -> FixtureFile:
             if size < 8:
                 _fail("fixture.unreadable", "file is shorter than the 8-byte safetensors length prefix",
                       expected=">= 8 bytes", actual=size)
+            head = f.read(16)
+            f.seek(0)
             (header_len,) = struct.unpack("<Q", f.read(8))
+            if head[8:9] != b"{" and (header_len > MAX_HEADER_BYTES or 8 + header_len > size):
+                _fail("fixture.unreadable", "not a safetensors file: it does not begin with an 8-byte header length "
+                      "followed by a JSON header", expected="8-byte length, then '{'",
+                      actual=f"starts with {head!r}", fix="pass a .safetensors fixture file (e.g. one written "
+                      "by dspark-abi build --save or dspark prefill --save)")
             if header_len > MAX_HEADER_BYTES:
                 _fail("fixture.unreadable", "header length exceeds the cap", expected=f"<= {MAX_HEADER_BYTES}",
                       actual=header_len)

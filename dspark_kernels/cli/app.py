@@ -29,7 +29,14 @@ import numpy as np
 
 from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
-from dspark_abi.cli.common import Parser, UsageError, add_batch_arguments, check_output, printable
+from dspark_abi.cli.common import (
+    Parser,
+    UsageError,
+    add_batch_arguments,
+    add_version,
+    check_output,
+    printable,
+)
 from dspark_abi.errors import ABIError
 from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
@@ -185,9 +192,12 @@ def _seed(text: str) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prefill", help="build a packed batch, fill cached contexts and run the forward")
-    add_batch_arguments(p)
+    add_batch_arguments(p, config_note="With --weights DIR holding a config.json, that config is the model's and "
+                                       "--config is ignored (a note on stderr says so).")
+    p.set_defaults(config=None)  # None: not given (tiny, or the config.json of --weights DIR)
     p.add_argument("--mode", choices=["group", "threads", "distributed"], default="group",
                    help="group: whole group in one call; threads: one thread per rank view; "
                         "distributed: one process per rank on torch.distributed")
@@ -199,7 +209,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="fp32: exact math; a2a3: the a2a3 kernels' bf16/int8 numerics; deepseek: the official "
                         "inference's bf16 activations with FP8/FP4 fake quantisation (docs/kernels.md)")
-    p.add_argument("--weights", metavar="DIR", help="safetensors checkpoint folder (default: random weights)")
+    p.add_argument("--weights", metavar="DIR", help="safetensors checkpoint folder (default: random weights); its "
+                   "config.json, when present, is the model's config and --config is ignored")
     p.add_argument("--seed", type=_seed, default=0, help="seed (>= 0) of random weights and prompts")
     p.add_argument("--save", metavar="FILE", help="write a fixture with the batch, inputs and outputs")
     p.add_argument("--json", action="store_true", help="machine-readable summary (the only output on stdout)")

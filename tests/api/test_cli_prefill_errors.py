@@ -409,3 +409,36 @@ def test_abi_errors_are_one_line_with_the_builder_message():
     assert "\n" not in line and line.startswith("--request 4@0: builder.request")
     assert "must start where its previous chunk ended; expected 30, got 0" in line
     assert "see the message" not in line and line.endswith("(and 1 more: qsl.token_count)")
+
+
+# ---------------------------------------------------------------------------------------------- newcomer findings
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        cli.make_parser().parse_args(["--version"])
+    out, _ = capsys.readouterr()
+    assert info.value.code == 0 and out.strip() == f"dspark {version('dspark')}"
+    assert cli.main(["--version"]) == 0
+
+
+def test_a_negative_request_names_the_real_problem(capsys, no_compute):
+    code, _, err = invoke(capsys, "--request", "-1@0")
+    line = one_line_error(code, err, 2, "-1@0", "non-negative integer")
+    assert "expected one argument" not in line
+
+
+def test_weights_with_a_config_json_say_that_config_is_ignored(capsys, no_compute, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_config()))
+    code, _, err = invoke(capsys, "--weights", str(tmp_path), "--config", "demo", "--request", "3@0")
+    assert "--config demo is ignored" in err and str(tmp_path / "config.json") in err, err
+    code, _, err = invoke(capsys, "--weights", str(tmp_path), "--request", "3@0")   # no --config: no note
+    assert "ignored" not in err, err
+
+
+def test_the_repository_has_the_license_pyproject_declares():
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "LICENSE").read_text()
+    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
