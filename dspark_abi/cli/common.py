@@ -130,7 +130,8 @@ def add_batch_arguments(parser: argparse.ArgumentParser, *, config_note: str = "
     (``config_note``: a sentence added to the help of ``--config``)."""
     presets = "; ".join(f"{name}: {PRESET_SUMMARIES[name]}" for name in PRESETS)
     parser.add_argument("--config", default="tiny", choices=list(PRESETS), metavar="PRESET",
-                        help=f"model preset, one of {', '.join(PRESETS)} (default tiny). {presets}. {config_note}".strip())
+                        help=f"model preset, one of {', '.join(PRESETS)} (default tiny). {presets}. "
+                             f"{config_note}".strip())
     parser.add_argument("--request", action="append", type=parse_request, required=True, metavar="TOKENS@CACHED",
                         help="one request: new tokens @ already cached tokens (repeatable)")
     parser.add_argument("--tp", type=tp_size, default=1, help="TP group size, 1..64 (default 1)")

@@ -113,7 +113,8 @@ def load_config(args: argparse.Namespace) -> ModelConfig:
     if args.config is not None:
         print(f"dspark prefill: note: --config {args.config} is ignored: the model is the one {hf} describes",
               file=sys.stderr)
-    fix = f"use the config.json that came with the checkpoint, or delete it to use --config {args.config or DEFAULT_PRESET}"
+    fix = ("use the config.json that came with the checkpoint, or delete it to use --config "
+           f"{args.config or DEFAULT_PRESET}")
     try:
         data = json.loads(hf.read_text())
     except (OSError, UnicodeDecodeError) as exc:

@@ -430,9 +430,9 @@ def test_a_negative_request_names_the_real_problem(capsys, no_compute):
 
 def test_weights_with_a_config_json_say_that_config_is_ignored(capsys, no_compute, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_config()))
-    code, _, err = invoke(capsys, "--weights", str(tmp_path), "--config", "demo", "--request", "3@0")
+    _, _, err = invoke(capsys, "--weights", str(tmp_path), "--config", "demo", "--request", "3@0")
     assert "--config demo is ignored" in err and str(tmp_path / "config.json") in err, err
-    code, _, err = invoke(capsys, "--weights", str(tmp_path), "--request", "3@0")   # no --config: no note
+    _, _, err = invoke(capsys, "--weights", str(tmp_path), "--request", "3@0")   # no --config: no note
     assert "ignored" not in err, err
 
 
