@@ -42,7 +42,7 @@ from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
 from dspark_kernels.api import prefill
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
-from dspark_kernels.cli.progress import PROGRESS_DELAY_S, LayerProgress, progress_mode
+from dspark_kernels.cli.progress import PROGRESS_DELAY_S, ContextProgress, LayerProgress, progress_mode
 from dspark_kernels.model import tp
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
@@ -67,16 +67,17 @@ def run(args: argparse.Namespace) -> int:
     context, batch = _plan(config, allocator, requests, prompts, args.tp)
     weights = load_weights(args, config)
     check_memory(config, args, [*(b for _, b in context), batch], allocator.pool_blocks, weights)
+    mode = progress_mode(args)
+    _announce(args, config, weights, context, batch, mode)
 
     # 2. the cached context: every request's earlier tokens first (chunks of at most token_cap), then the batch
     caches = ModelCaches.allocate(config, allocator.pool_blocks, precision=args.precision)
     prepared = PreparedWeightsCache(keep=weights.keep_layers)  # the run's prepared weights, shared by its calls
-    mode = progress_mode(args)
     t_ctx = time.perf_counter()
-    for rid, ctx in context:
-        with LayerProgress(f"context r{rid}", mode, config.num_layers) as on_layer:
+    with ContextProgress(mode, [(rid, ctx.num_tokens) for rid, ctx in context], config.num_layers) as fill:
+        for i, (_, ctx) in enumerate(context):
             prefill(ctx, _token_ids(ctx), weights, caches, precision=args.precision, backend=args.backend,
-                    prepared=prepared, on_layer=on_layer)
+                    prepared=prepared, on_layer=fill.chunk(i))
     t_ctx = time.perf_counter() - t_ctx
     t0 = time.perf_counter()
     hidden, sampled, rows, logits, target = _run_batch(batch, weights, caches, args,
@@ -115,6 +116,27 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         print(f"wrote {args.save}", file=sys.stderr)
     return 0
+
+
+#: What a random-weight run of a model whose weights are streamed (FLASH-size) costs, as measured: --config flash
+#: --request 3@126 --tp 3 on a 2-core CPU. Said up front, since nothing else shows for the first minutes.
+STREAMED_RANDOM_RUN = "about 12 minutes on a 2-core CPU for --config flash --request 3@126"
+
+
+def _announce(args: argparse.Namespace, config: ModelConfig, weights: ModelWeights,
+              context: Sequence[tuple[int, PackedBatch]], batch: PackedBatch, mode: str) -> None:
+    """Before the first call, on stderr: a warning for a slow random-weight run, and off a terminal (logs), the
+    stages of a run that may take minutes (streamed weights, or a context of several chunks), so it never starts
+    silently."""
+    if args.weights is None and not weights.keep_layers:
+        print(f"{PROG}: note: random {config.name} weights are too large to keep: every layer and expert is "
+              f"generated when the run reaches it, so this run is slow ({STREAMED_RANDOM_RUN}); --config tiny runs "
+              "in seconds", file=sys.stderr, flush=True)
+    if mode == "lines" and (len(context) > 1 or not weights.keep_layers):     # a run that may take minutes
+        tokens = sum(ctx.num_tokens for _, ctx in context)
+        print(f"{PROG}: {len(context)} context call(s) ({tokens} cached tokens), then the prefill of "
+              f"{batch.num_tokens} tokens; {config.num_layers} layers each; progress lines follow once a stage "
+              f"has run {PROGRESS_DELAY_S:g} s", file=sys.stderr, flush=True)
 
 
 def _plan(config: ModelConfig, allocator: BlockAllocator, requests: Sequence[tuple[int, int]],

@@ -442,3 +442,52 @@ def test_the_repository_has_the_license_pyproject_declares():
     assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
     assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+
+
+def test_a_long_context_shows_one_progress_over_all_its_chunks(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.0)
+    # 3 chunks of at most token_cap (8192) tokens: one stage line, then lines whose overall share only grows
+    code, _, err = invoke(capsys, "--config", "tiny-1m", "--request", "2@17000", "--tp", "1")
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("dspark prefill: 3 context call(s) (17000 cached tokens)"), err
+    ctx = [line for line in lines if line.startswith("context r0 chunk")]
+    assert {line.split(":")[0] for line in ctx} == {f"context r0 chunk {k}/3" for k in (1, 2, 3)}, err
+    shares = [int(line.split("overall ")[1].split("%")[0]) for line in ctx]
+    assert shares == sorted(shares) and shares[-1] == 100 and shares[0] < 50, err
+
+
+def test_the_context_bar_runs_on_across_chunks(capsys, monkeypatch):
+    from dspark_kernels.cli.progress import ContextProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with ContextProgress("bar", [(0, 100), (0, 100), (1, 200)], 4) as fill:
+        bars = []
+        for i in range(3):
+            on_layer = fill.chunk(i)
+            for done in range(1, 5):
+                on_layer(done, 4)
+                bars.append(fill._bar.n)
+    assert bars == sorted(bars) and bars[-1] == fill.total == 1600       # never restarts
+    assert "context r1 layer 4/4: 100%" in term.getvalue()          # tqdm throttles the frames in between
+    assert [fill.label(i) for i in range(3)] == ["context r0 chunk 1/2", "context r0 chunk 2/2", "context r1"]
+
+
+def test_random_flash_weights_warn_up_front(capsys, monkeypatch):
+    from dspark_kernels.cli import app
+    from dspark_kernels.model.weights import ModelWeights
+
+    def stop(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt     # right after the announcement: no FLASH run in a test
+
+    monkeypatch.setattr(app, "ModelCaches", type("C", (), {"allocate": staticmethod(stop)}))
+    monkeypatch.setattr(app, "check_memory", lambda *a, **k: None)
+    monkeypatch.setattr(app, "load_weights", lambda args, config: ModelWeights.random(config, keep_layers=False))
+    code, _, err = invoke(capsys, "--config", "flash", "--request", "3@126")
+    assert code == 130
+    assert "about 12 minutes" in err and "--config tiny" in err, err
