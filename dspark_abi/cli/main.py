@@ -39,6 +39,7 @@ from dspark_abi.cli.common import (
 from dspark_abi.cli.files import add_file_commands, print_result
 from dspark_abi.config import ModelConfig
 from dspark_abi.conformance.runner import inspect_file
+from dspark_abi.errors import Issue
 from dspark_abi.io import fixtures, safe_write
 from dspark_abi.io.fixtures import FixtureFile
 from dspark_abi.layout import POOL_NAMES
@@ -187,8 +188,27 @@ def render_json(batch: PackedBatch | Layout) -> str:
     return json.dumps(_layout(batch).to_dict(), indent=2)
 
 
-def render_png(batch: PackedBatch | Layout, path: str) -> None:
-    """Picture of the row layout: one colored cell per row and rank, labelled with request and position."""
+#: Fields whose issue index is a group row (the picture marks that row's cell).
+_ROW_FIELDS = frozenset({"positions", "token_ids", "hidden", *SLOT_FIELDS.values()})
+#: Color of everything that marks an invalid batch in the picture.
+INVALID_COLOR = "#d00000"
+
+
+def offending_rows(lay: Layout, issues: Sequence[Issue]) -> set[int]:
+    """Group rows the issues point at: the row of a per-row field's index, every row of an issue's request."""
+    rows = {int(i.index) for i in issues if i.field in _ROW_FIELDS and isinstance(i.index, int)}
+    requests = {int(i.request) for i in issues if isinstance(i.request, int)}
+    row_request = lay.row_request
+    rows |= {int(r) for r in np.flatnonzero(np.isin(row_request, list(requests)))} if requests else set()
+    return {r for r in rows if 0 <= r < lay.padded_rows}
+
+
+def render_png(batch: PackedBatch | Layout, path: str, issues: Sequence[Issue] = ()) -> None:
+    """Picture of the row layout: one colored cell per row and rank, labelled with request and position.
+
+    With ``issues`` (an invalid fixture), the title is a red banner ``INVALID: N issues (codes)`` and the cells of
+    the rows they point at (:func:`offending_rows`) get a thick red frame and a red label, so the picture cannot be
+    taken for a valid batch's."""
     import matplotlib  # optional (the plot extra), checked by _check_png before any work
 
     matplotlib.use("Agg")
@@ -199,19 +219,33 @@ def render_png(batch: PackedBatch | Layout, path: str) -> None:
     rows = layout_rows(lay)
     fig, ax = plt.subplots(figsize=(max(4, 1.1 * lay.local_rows), 0.9 * lay.tp_size + 1))
     cmap = plt.get_cmap("tab20")
+    bad = offending_rows(lay, issues)
     for row in rows:
         x, y = row["local_row"], lay.tp_size - 1 - row["rank"]
         color = "#dddddd" if row["request"] < 0 else cmap(row["request"] % 20)
         ax.add_patch(Rectangle((x, y), 0.95, 0.9, color=color))
         label = "pad" if row["request"] < 0 else f"r{row['request']}\np{row['position']}"
-        ax.text(x + 0.47, y + 0.45, label, ha="center", va="center", fontsize=8)
+        if row["row"] in bad:
+            ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.87, 0.82, fill=False, edgecolor=INVALID_COLOR,
+                                   linewidth=3))
+        ax.text(x + 0.47, y + 0.45, label, ha="center", va="center", fontsize=8,
+                color=INVALID_COLOR if row["row"] in bad else "black")
     ax.set_xlim(0, max(lay.local_rows, 1))
     ax.set_ylim(0, lay.tp_size)
     ax.set_yticks([lay.tp_size - 1 - r + 0.45 for r in range(lay.tp_size)], [f"rank {r}" for r in range(
         lay.tp_size)])
     ax.set_xticks([])
-    ax.set_title(f"N={lay.num_tokens} P={lay.padded_rows} L={lay.local_rows} "
-                 f"qsl={lay.query_start_loc.tolist()}")
+    geometry = f"N={lay.num_tokens} P={lay.padded_rows} L={lay.local_rows} qsl={lay.query_start_loc.tolist()}"
+    if issues:
+        codes = sorted({i.code for i in issues})
+        shown = ", ".join(codes[:4]) + (", ..." if len(codes) > 4 else "")
+        ax.set_title(f"INVALID: {len(issues)} issue{'s' if len(issues) != 1 else ''} ({shown})\n{geometry}",
+                     color="white", backgroundcolor=INVALID_COLOR, fontweight="bold")
+        for spine in ax.spines.values():
+            spine.set_edgecolor(INVALID_COLOR)
+            spine.set_linewidth(3)
+    else:
+        ax.set_title(geometry)
     fig.tight_layout()
     try:
         safe_write.write_with(path, lambda f: fig.savefig(f, dpi=120, format="png"))
@@ -268,7 +302,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(f"--png {printable(args.png)}: not drawn, the file has no readable layout (see the issues)",
                   file=sys.stderr)
         else:
-            _write("--png", args.png, lambda: render_png(lay, args.png))
+            _write("--png", args.png, lambda: render_png(lay, args.png, result.issues))
     return result.exit_code
 
 

@@ -333,3 +333,33 @@ def test_doc_links_to_anchors_resolve():
             if (docs / target).is_file() and anchor not in anchors(docs / target):
                 broken.append(f"{doc.name} -> {target}#{anchor}")
     assert not broken, broken
+
+
+def _red_pixels(png):  # type: ignore[no-untyped-def]
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)
+    return int(((img[..., 0] > 0.75) & (img[..., 1] < 0.15) & (img[..., 2] < 0.15)).sum())
+
+
+def test_the_picture_of_an_invalid_fixture_looks_invalid(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from dspark_abi.cli.main import Layout, build_batch, offending_rows
+    from dspark_abi.io import fixtures
+
+    bad = tmp_path / "bad.safetensors"
+    batch = build_batch("tiny", [(3, 126), (4, 30)], 2)
+    arrays = {k: v.copy() for k, v in batch.to_arrays().items()}
+    arrays["positions"][5] = 7                    # row 5 of request 1 breaks its contiguous positions
+    fixtures.save_arrays(bad, arrays, config=batch.config, policy=batch.policy,
+                         pool_blocks=batch.pool_blocks.as_dict())
+    good_png, bad_png = tmp_path / "good.png", tmp_path / "bad.png"
+    good = tmp_path / "good.safetensors"
+    fixtures.save(good, batch)
+    assert run(capsys, "show", good, "--png", good_png)[0] == 0
+    code, out, _ = run(capsys, "show", bad, "--png", bad_png)
+    assert code == 1 and "positions.not_contiguous" in out
+    fixture = fixtures.read(bad)
+    issues = fixture.validate().issues
+    assert 5 in offending_rows(Layout.of_fixture(fixture), issues)
+    assert _red_pixels(good_png) == 0 and _red_pixels(bad_png) > 2000     # the banner and the marked cells
