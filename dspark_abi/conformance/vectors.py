@@ -438,7 +438,8 @@ def generate(directory: str | Path) -> list[Path]:
     for kind in KINDS:
         (root / kind).mkdir(parents=True, exist_ok=True)
         for stale in (root / kind).glob("*.safetensors"):
-            stale.unlink()
+            if stale.is_symlink() or stale.is_file():   # a link, not what it points at; never a device or FIFO
+                stale.unlink()
     files: dict[str, tuple[bytes, Expectation, str]] = {}
     vectors = all_vectors()
     for v in vectors:
