@@ -64,8 +64,8 @@ _NEGATIVE_VALUE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-[^-=\s][^=\s]*@")
 
 #: One line on each ``--config`` preset (dspark_abi.presets), shown by ``--help`` of both programs.
 PRESET_SUMMARIES: dict[str, str] = {
-    "flash": "DeepSeek-V4-Flash, 43 layers at its 1,048,576 positions (random weights: slow, about 12 minutes "
-             "and tens of GB)",
+    "flash": "DeepSeek-V4-Flash, 43 layers at its 1,048,576 positions (random weights are generated as the run "
+             "streams them: about 12 minutes for a short request)",
     "flash-16k": "flash at the 16,384 positions upstream's a2a3 fixtures size their tables for",
     "flash-dspark": "flash whose layers 40-42 feed the DSpark drafter (target hidden features)",
     "demo": "upstream's DEMO: FLASH head sizes, 8 layers, 16 experts",
