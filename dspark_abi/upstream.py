@@ -18,8 +18,10 @@ dspark's ring tables (ori, state pools) hold page i in column ``i % width``, its
 as narrow as the batch's widest live range, as ``BatchBuilder`` emits them. Both directions move each request's
 live pages (spec 5.3) and nothing else (dspark leaves the other entries unconstrained, K2), plus the compressed rows
 of zero-length requests as they are (a ring row of such a request cannot be unwrapped: it has no position; it
-comes back -1, as the builder writes it). So ``from_upstream(to_upstream(b)) == b`` for builder batches; absent
-``logit_rows`` come back as R times -1.
+comes back -1, as the builder writes it). So ``from_upstream(to_upstream(b)) == b`` for the builder's default
+(``ring_width="step"``) batches, and ``from_upstream(to_upstream(b), ring_widths="fixed") == b`` for its
+``ring_width="fixed"`` batches: a linear table does not carry the ring width (both builder modes give the same
+upstream tensors), so the caller names it. Absent ``logit_rows`` come back as R times -1.
 
 **State rings.** Upstream's fixtures share a 260-block CSA state ring (page 2) between request slots:
 ``utils.block_table`` maps page c of the request in table row r to ``((c % 260) * slots + r) % 260`` (slots = 2 in
@@ -34,7 +36,7 @@ row's last write is no way out: the batch would still alias live pages (R26) and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -139,7 +141,8 @@ def to_upstream(batch: PackedBatch, *, depths: Mapping[str, int] | None = None,
 
 def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
                   pool_blocks: Mapping[str, int] | PoolBlocks, *, depths: Mapping[str, int] | None = None,
-                  ring_widths: Mapping[str, int] | None = None, request_ids: Any = None) -> PackedBatch:
+                  ring_widths: Mapping[str, int] | Literal["step", "fixed"] | None = None,
+                  request_ids: Any = None) -> PackedBatch:
     """Check upstream prefill metadata (one TP group, the form :func:`to_upstream` returns) and convert it.
 
     Checks, in order, each raising :class:`ABIError` with every issue of its stage (issues name the upstream
@@ -148,8 +151,10 @@ def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: Paddi
     ``logit_row_indices``); per request with new tokens, ``upstream.past_span`` (a page mapped after its last
     live page), ``upstream.state_ring_overwrite`` and ``padding.token_id`` (input_ids not 0 on padding rows). Then
     the live pages move into dspark's tables, each as wide as the widest live range (ring pools: or
-    ``ring_widths[pool]`` columns, any width >= the requests' live pages, e.g. ``ring_width``), and the arrays are
-    validated as ``PackedBatch.from_arrays`` does. Extra tensors (weights, caches) are ignored.
+    ``ring_widths[pool]`` columns, any width >= the requests' live pages, e.g. ``ring_width``; ``"fixed"``:
+    every ring pool's ``PoolLayout.ring_width``, as ``BatchBuilder(ring_width="fixed")`` emits; ``"step"`` or None:
+    the default), and the arrays are validated as ``PackedBatch.from_arrays`` does. Extra tensors (weights,
+    caches) are ignored.
     """
     layout, tp = config.layout, policy.tp_size
     want = _depths(config, depths)
@@ -178,7 +183,7 @@ def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: Paddi
         token_ids[n:] = policy.pad_token_id
     out: dict[str, Any] = {"query_start_loc": qsl, "positions": flat["positions"], "token_ids": token_ids,
                            "logit_rows": logit_rows} | ({} if request_ids is None else {"request_ids": request_ids})
-    widths = dict(ring_widths or {})
+    widths = _ring_widths(config, ring_widths)
     for pl in layout:
         req, page = touched_pages(pl, start, end, config.sliding_window)
         width = max(1, int(live_pages(pl, start, end, config.sliding_window).max(initial=0)))
@@ -196,6 +201,19 @@ def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: Paddi
 
 
 # ------------------------------------------------------------------------------------------------ checks
+def _ring_widths(config: ModelConfig, ring_widths: Mapping[str, int] | str | None) -> dict[str, int]:
+    """Ring pool -> columns asked for (absent: the batch's widest live range)."""
+    if ring_widths is None or ring_widths == "step":
+        return {}
+    if ring_widths == "fixed":
+        return {pl.name: pl.ring_width for pl in config.layout if pl.is_ring}
+    if isinstance(ring_widths, str):
+        raise ABIError([Issue("config.invalid", "ring_widths", "ring_widths must be 'step', 'fixed' or a mapping "
+                              "pool -> columns", expected=["step", "fixed", "{pool: columns}"],
+                              actual=repr(ring_widths))])
+    return dict(ring_widths)
+
+
 def _depths(config: ModelConfig, depths: Mapping[str, int] | None) -> dict[PoolName, int]:
     want = {p: int((depths or UPSTREAM_TABLE_DEPTHS)[p]) for p in POOL_NAMES}
     width = table_depths(config)
