@@ -21,6 +21,10 @@ import numpy as np
 import pytest
 from pypto_fixtures import CONFIG, SEED, packed_batch
 
+# one bf16 step, plus the near-zero floor of cancelling streams
+from tolerances import BF16_ATOL_CANCELLING as BF16_ATOL
+from tolerances import BF16_RTOL, MAX_DIFFERING_FRACTION
+
 from dspark_kernels.model.geometry import vocab_shard
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.pypto.isolate import run_isolated
@@ -29,9 +33,6 @@ from dspark_kernels.reference.hyper_connections import hc_head as ref_hc_head
 
 pytestmark = pytest.mark.pypto
 
-#: One bf16 step (2**-8 to 2**-7 of the value) plus a floor near zero, on at most this fraction of elements.
-BF16_RTOL, BF16_ATOL = 2.0**-7, 1e-7
-MAX_DIFFERING_FRACTION = 0.01
 #: fp32 unit roundoff.
 U32 = 2.0**-24
 #: Input scales of the residual streams: embedding-like and grown over many layers.
