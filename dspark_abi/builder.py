@@ -438,7 +438,8 @@ class BatchBuilder:
         qsl[1:] = requests.row_end
         n = int(qsl[-1])
         p_rows = policy.padded_rows(n)
-        row_request = requests.row_request(p_rows)[:n]                # [N], the batch's own row_request
+        # [N] the batch's own row_request, as intp once: every gather below indexes with it (7 pools)
+        row_request = requests.row_request(p_rows)[:n].astype(np.intp)
         pos = starts[row_request] + (np.arange(n) - qsl[:-1][row_request])             # [N]
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos

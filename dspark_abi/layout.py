@@ -183,7 +183,13 @@ def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: int) -> tup
     """
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     has = hi > lo
-    return lo // page_size * has, ((hi - 1) // page_size + 1) * has     # a product with the mask: fewest passes
+    first = lo // page_size             # new arrays, then updated in place: the fewest passes and allocations
+    first *= has
+    stop = hi - 1
+    stop //= page_size
+    stop += 1
+    stop *= has
+    return first, stop
 
 
 def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> np.ndarray:
@@ -195,7 +201,10 @@ def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) 
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
     first, stop = page_span(*live_range(pl, start, end, window), pl.page_size)
-    return (stop - first if pl.is_ring else stop) * (end > start)
+    if pl.is_ring:
+        stop -= first
+    stop *= end > start
+    return stop
 
 
 def table_column(pl: PoolLayout, page: np.ndarray, width: int) -> np.ndarray:
@@ -273,8 +282,7 @@ def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: in
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
     first, stop = page_span(*live_range(pl, start, end, window), pl.page_size)
-    count = np.where(end > start, stop - first, 0)
-    first = np.where(count > 0, first, 0)
+    count = (stop - first) * (end > start)     # an empty request's first page is never read: it owns no page
     request = np.repeat(np.arange(start.size, dtype=np.int64), count)
     offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     return request, first[request] + offset
