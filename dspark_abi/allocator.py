@@ -9,8 +9,9 @@ to its widest live range. A step is all or nothing: if any pool is short, :class
 ``alloc.exhausted`` is raised and no table or free list changes.
 
 Thread safety: every public method is atomic (one re-entrant lock, :attr:`BlockAllocator.lock`). A step
-is two calls, :meth:`~BlockAllocator.plan` then :meth:`~BlockAllocator.commit`; a plan that another
-commit or release overtook is refused with ``alloc.stale_plan`` (nothing changes), see the class docstring.
+is two calls, :meth:`~BlockAllocator.plan` (in ``BatchBuilder.build``) then :meth:`~BlockAllocator.commit` (in
+``BatchBuilder.commit``, after the step's forward); a plan that another commit or release overtook is refused
+with ``alloc.stale_plan`` (nothing changes), see the class docstring.
 """
 
 from __future__ import annotations
@@ -85,12 +86,12 @@ class BlockAllocator:
     **Threads.** One allocator may be shared by several threads (e.g. one ``BatchBuilder`` each). Every
     public method (``plan``, ``commit``, ``release``, ``free_blocks``, ``knows``, ``cached_tokens``,
     ``table_rows``) runs under :attr:`lock`, a re-entrant lock, so none sees or leaves a half-made change.
-    A step is *two* calls, ``plan`` then ``commit`` (``BatchBuilder.build`` assembles and validates the
-    batch between them). Each commit and release advances a generation counter; ``commit`` refuses a plan
-    made on an older generation, or by another allocator, with :class:`ABIError` ``alloc.stale_plan`` and
-    changes nothing (the builder keeps its queue: call ``build()`` again). To make a whole step atomic, hold
-    the lock around it: ``with allocator.lock: batch = builder.build()``. Threads must not share one
-    request id (nor one ``BatchBuilder``, whose queue is not locked).
+    A step is *two* calls, ``plan`` then ``commit``: ``BatchBuilder.build`` plans, assembles and validates the
+    batch, ``BatchBuilder.commit(batch)`` commits its plan once the forward ran. Each commit and release
+    advances a generation counter; ``commit`` refuses a plan made on an older generation, or by another
+    allocator, with :class:`ABIError` ``alloc.stale_plan`` and changes nothing (build the step again). To make
+    a whole step atomic, hold the lock from build to commit. Threads must not share one request id (nor one
+    ``BatchBuilder``, whose queue is not locked).
     """
 
     def __init__(self, config: ModelConfig, pool_blocks: PoolBlocks | Mapping[str, int], *, capacity: int = 16):
@@ -116,8 +117,9 @@ class BlockAllocator:
 
     @property
     def lock(self) -> threading.RLock:
-        """The re-entrant lock every method takes; hold it around ``plan`` .. ``commit`` (e.g. around
-        ``BatchBuilder.build()``) to make a whole step atomic with respect to other threads."""
+        """The re-entrant lock every method takes; hold it around ``plan`` .. ``commit`` (from
+        ``BatchBuilder.build()`` to ``BatchBuilder.commit(batch)``) to make a whole step atomic with respect to
+        other threads."""
         return self._lock
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockAllocator:
