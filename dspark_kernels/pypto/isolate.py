@@ -67,11 +67,17 @@ def run_isolated(func: Callable[..., Any], *args: Any, timeout: float = DEFAULT_
 
 
 def _search_path(module: str) -> tuple[str, ...]:
-    """The repository root, plus the folder of a top-level module (a test helper pytest imported by path)."""
+    """The repository root, the folder of a top-level module (a test helper pytest imported by path), and every
+    folder inside the repository on the parent's ``sys.path`` (what that module imports by path in turn, e.g. a
+    shared ``tests/tolerances.py``)."""
     paths = [str(_REPO_ROOT)]
     file = getattr(sys.modules.get(module), "__file__", None)
     if "." not in module and file:
         paths.insert(0, str(Path(file).resolve().parent))
+    for entry in sys.path:
+        folder = Path(entry or ".").resolve()
+        if folder.is_relative_to(_REPO_ROOT) and str(folder) not in paths:
+            paths.append(str(folder))
     return tuple(paths)
 
 
