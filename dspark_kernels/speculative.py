@@ -148,6 +148,9 @@ class GenerateResult:
     allocator: BlockAllocator
     margins: dict[int, np.ndarray] | None = None
     """(plain decoding only) request id -> [n] top-2 logit margin at each generated token."""
+    logit_scales: dict[int, np.ndarray] | None = None
+    """(plain decoding only) request id -> [n] max |logit| of the row each token was chosen from (the scale of
+    an fp32 summation-order difference in that row)."""
 
     @property
     def mean_accepted_length(self) -> float:
@@ -346,6 +349,7 @@ def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelW
     builder = BatchBuilder(cfg, PaddingPolicy(tp_size=tp), alloc)
     generated: list[list[int]] = [[] for _ in tokens]
     margins: list[list[float]] = [[] for _ in tokens]
+    scales: list[list[float]] = [[] for _ in tokens]
     steps: list[StepRecord] = []
     inputs = [t[d:] for t, d in zip(tokens, done, strict=True)]
     while True:
@@ -365,10 +369,12 @@ def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelW
             top2 = np.partition(result.logits[j], -2)[-2:]
             generated[i].append(int(result.sampled[j]))
             margins[i].append(float(top2[1] - top2[0]))
+            scales[i].append(float(np.abs(result.logits[j]).max()))
             done[i] += inputs[i].size
             inputs[i] = np.array([generated[i][-1]], np.int64)
         steps.append(StepRecord(batch=batch, prefill_ids=tuple(live), verify=(),
                                 accepted=np.diff(np.asarray(batch.query_start_loc, np.int64))))
     return GenerateResult(tokens={i: np.asarray(g, np.int64) for i, g in enumerate(generated)},
                           accepted_lengths={i: [] for i in range(len(tokens))}, steps=steps, caches=runner.caches,
-                          allocator=alloc, margins={i: np.asarray(m) for i, m in enumerate(margins)})
+                          allocator=alloc, margins={i: np.asarray(m) for i, m in enumerate(margins)},
+                          logit_scales={i: np.asarray(m) for i, m in enumerate(scales)})

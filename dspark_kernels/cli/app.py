@@ -42,6 +42,7 @@ from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
 from dspark_kernels.api import prefill
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
+from dspark_kernels.cli import speculate
 from dspark_kernels.cli.progress import PROGRESS_DELAY_S, ContextProgress, LayerProgress, progress_mode
 from dspark_kernels.model import tp
 from dspark_kernels.model.caches import ModelCaches
@@ -251,13 +252,14 @@ def make_parser() -> argparse.ArgumentParser:
                             f"that run over {PROGRESS_DELAY_S:g} s)")
     shown.add_argument("--no-progress", dest="progress", action="store_false", help="no progress output")
     p.set_defaults(func=run, progress=None)
+    speculate.add_parser(sub)
     return parser
 
 
 # ---------------------------------------------------------------------------------------------- errors
-def _fail(message: str, code: int) -> int:
+def _fail(message: str, code: int, prog: str = PROG) -> int:
     text = " ".join(line.strip() for line in str(message).splitlines() if line.strip())
-    print(f"{PROG}: error: {text}", file=sys.stderr, flush=True)
+    print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
     return code
 
 
@@ -267,7 +269,7 @@ def _abi_line(exc: ABIError, args: argparse.Namespace) -> str:
         return str(exc)
     first = exc.issues[0]
     text = str(first)
-    if first.code == "builder.request":  # its registered hint is generic: name the --request to change
+    if first.code == "builder.request" and hasattr(args, "request"):  # its registered hint is generic: name the --request to change
         text = text.removesuffix(first.hint) + "change that --request value"
         if first.request is not None and 0 <= first.request < len(args.request):
             new, cached = args.request[first.request]
@@ -293,20 +295,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = make_parser().parse_args(argv)
     except SystemExit as exc:  # --help (0) or a usage error argparse already printed in one line (2)
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    prog = getattr(args, "prog_name", PROG)
     try:
         return int(args.func(args))
     except UsageError as exc:
-        return _fail(str(exc), 2)
+        return _fail(str(exc), 2, prog)
     except RunError as exc:
-        return _fail(str(exc), 1)
+        return _fail(str(exc), 1, prog)
     except ABIError as exc:
-        return _fail(_abi_line(exc, args), 1)
+        return _fail(_abi_line(exc, args), 1, prog)
     except MemoryError:
-        return _fail("ran out of memory; use --config tiny or fewer and shorter --request values", 1)
+        return _fail("ran out of memory; use --config tiny or fewer and shorter --request values", 1, prog)
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except PyptoUnavailableError as exc:  # found by the pypto kernel process: a tool or version it needs
-        return _fail(f"--backend pypto: {exc}", 2)
+        return _fail(f"--backend pypto: {exc}", 2, prog)
     except Exception as exc:  # a failed run (pypto kernel process, rank process) or a bug: one line + a log file
-        return _fail(_logged(exc, f"the {args.backend} prefill failed"), 1)
+        return _fail(_logged(exc, f"the {args.backend} prefill failed" if args.command == "prefill" else "the run failed"), 1, prog)
