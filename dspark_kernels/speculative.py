@@ -266,19 +266,20 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                             tp_mode, backend, precision, slack)
     builder = BatchBuilder(cfg, PaddingPolicy(tp_size=tp), alloc)
     generated: list[list[int]] = [[] for _ in tokens]
+    fed = [0] * len(tokens)                       # prompt tokens sent so far (done[i] counts cached positions)
     lengths: dict[int, list[int]] = {i: [] for i in range(len(tokens))}
     limit = cfg.max_position_embeddings
     steps: list[StepRecord] = []
     while True:
-        pre = [i for i, t in enumerate(tokens) if done[i] < t.size and not generated[i]]
+        pre = [i for i, t in enumerate(tokens) if fed[i] < t.size]
         live = [i for i in range(len(tokens)) if generated[i] and len(generated[i]) < max_new_tokens
                 and done[i] < limit]
         if not pre and not live:
             break
-        chunks = {i: min(prefill_chunk, tokens[i].size - done[i]) for i in pre}
+        chunks = {i: min(prefill_chunk, tokens[i].size - fed[i]) for i in pre}
         for i in pre:
-            final = done[i] + chunks[i] == tokens[i].size
-            builder.add(i, num_cached=done[i], num_new=chunks[i], token_ids=tokens[i][done[i]: done[i] + chunks[i]],
+            final = fed[i] + chunks[i] == tokens[i].size
+            builder.add(i, num_cached=done[i], num_new=chunks[i], token_ids=tokens[i][fed[i]: fed[i] + chunks[i]],
                         logits="last" if final else "none")  # type: ignore[call-arg]
         room = [min(K, max_new_tokens - len(generated[i]) - 1, limit - done[i] - 1) for i in live]
         context = [np.concatenate([tokens[i], np.asarray(generated[i], np.int64)]) for i in live]
@@ -302,7 +303,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
         last_row = {int(r): k for k, r in enumerate(logit_rows) if r >= 0}
         for i in pre:
             done[i] += chunks[i]
-            if done[i] == tokens[i].size:
+            fed[i] += chunks[i]
+            if fed[i] == tokens[i].size:
                 generated[i].append(int(sampled[last_row[int(starts[order[i]]) + chunks[i] - 1]]))
         outputs = []
         for k, i in enumerate(live):
@@ -351,7 +353,7 @@ def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelW
     margins: list[list[float]] = [[] for _ in tokens]
     scales: list[list[float]] = [[] for _ in tokens]
     steps: list[StepRecord] = []
-    inputs = [t[d:] for t, d in zip(tokens, done, strict=True)]
+    inputs = list(tokens)
     while True:
         live = [i for i in range(len(tokens)) if len(generated[i]) < max_new_tokens
                 and done[i] + inputs[i].size <= cfg.max_position_embeddings]

@@ -204,3 +204,137 @@ def test_speculative_equals_plain_greedy(weights, kind, tp, mode):
     if kind != "replay":   # rejected drafts wrote rows in every pool kind, all of them garbage now
         assert {p for p, n in planter.planted.items() if n} >= {"ori", "csa_state", "csa_inner_state", "hca_state"}
     assert_caches_equal_one_shot(weights, got)
+
+
+def test_garbage_in_a_committed_row_is_caught(weights):
+    """The planting test has teeth: the same NaN written into one committed row (the anchor's ori row of each
+    verify request) reaches the outputs or the readable cache rows."""
+
+    def plant_committed(record, caches: ModelCaches) -> None:
+        anchors = np.asarray(record.batch.query_start_loc[:-1])[[
+            k for k, r in enumerate(record.batch.requests.ids) if int(r) in {v.request_id for v in record.verify}]]
+        for layer in caches.layers:
+            rows = record.batch.slots["ori"][anchors]
+            layer.ori[rows[rows >= 0]] = GARBAGE
+
+    reference = plain(weights, 1, "single")
+    got = generate(prompts(), weights, RandomDrafter(CFG.vocab_size, seed=1), NEW_TOKENS, K, prefill_chunk=CHUNK,
+                   on_step=plant_committed)
+    differs = any(not np.array_equal(got.tokens[i], reference.tokens[i]) for i in reference.tokens)
+    if not differs:
+        with pytest.raises(AssertionError):
+            assert_caches_equal_one_shot(weights, got)
+
+
+# ---------------------------------------------------------------------------------------------- deep positions
+#: TINY heads at the real 1,048,576-position depth, with DSpark target layers (so verify steps have drafts)
+DEEP = TINY_1M.model_copy(update={"name": "tiny-1m-dspark", "dspark_target_layers": CFG.dspark_target_layers,
+                                  **({"dspark_block_size": K} if "dspark_block_size" in type(CFG).model_fields
+                                     else {})})
+#: cached contexts beyond a turn of every ring (ori 8,256 positions, ratio-4 state rings 8,202): request 0's first
+#: verify step drafts position 9,087, which completes HCA entry 70 (ratio 128), request 1's cross ratio-4 entries
+DEEP_CONTEXTS = {0: 9_085, 1: 20_003}
+DEEP_PROMPT = 1
+FORWARD_K_DEEP = forward_reductions(DEEP)
+
+
+def planted_history() -> tuple[BlockAllocator, ModelCaches]:
+    """Requests at ``DEEP_CONTEXTS`` whose history rows (every row a next step reads) hold seeded values: a deep
+    context without prefilling it (as tests/kernels/test_deep_positions.py does per layer)."""
+    ids = list(DEEP_CONTEXTS)
+    cached = np.array([DEEP_CONTEXTS[i] for i in ids], np.int64)
+    alloc = BlockAllocator(DEEP, pool_blocks_for(DEEP, [int(c) + 64 for c in cached], slack=16))
+    alloc.commit(alloc.plan(ids, cached, cached))
+    caches = ModelCaches.allocate(DEEP, alloc.pool_blocks)
+    rows = readable_rows_index(DEEP, alloc, caches, {i: int(c) for i, c in zip(ids, cached, strict=True)})
+    for (li, name), physical in rows.items():
+        array = caches.layers[li].arrays()[name]
+        rng = np.random.default_rng([li, zlib.crc32(name.encode())])
+        if name == "idx_scale":
+            array[physical] = rng.uniform(0.01, 0.02, (physical.size, *array.shape[1:])).astype(array.dtype)
+        else:
+            array[physical] = rng.standard_normal((physical.size, *array.shape[1:])).astype(array.dtype)
+    return alloc, caches
+
+
+def readable_rows_index(config, alloc: BlockAllocator, caches: ModelCaches, lengths: dict[int, int]):
+    """{(layer, array name): physical rows} of :func:`readable_rows`."""
+    ids = list(lengths)
+    tables = alloc.table_rows(ids)
+    out = {}
+    for li, layer in enumerate(caches.layers):
+        for name in layer.arrays():
+            pool = "idx" if name == "idx_scale" else name
+            pl = config.layout.pools[pool]
+            parts = []
+            for k, rid in enumerate(ids):
+                c = lengths[rid]
+                lo = max(0, c - pl.reach) if pl.is_ring else 0
+                hi = c // pl.ratio if pl.ratio else c
+                parts.append(physical_rows(tables[pool], np.full(hi - lo, k), np.arange(lo, hi), pl.page_size,
+                                           ring=pl.is_ring))
+            out[(li, name)] = np.concatenate(parts)
+            assert (out[(li, name)] >= 0).all(), (li, name)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["random", "hits1"])
+def test_speculative_equals_plain_beyond_a_ring_turn(kind):
+    weights = ModelWeights.random(DEEP, seed=5)
+    alloc, caches = planted_history()
+    deep_prompts = [np.random.default_rng(rid).integers(0, DEEP.vocab_size, DEEP_PROMPT) for rid in DEEP_CONTEXTS]
+    cached = list(DEEP_CONTEXTS.values())
+    new = 6
+    reference = greedy_decode(deep_prompts, weights, new, cached=cached, allocator=copy.deepcopy(alloc),
+                              caches=caches.copy())
+    stream = {i: np.concatenate([p, reference.tokens[i]]) for i, p in enumerate(deep_prompts)}
+    drafter_ = RandomDrafter(DEEP.vocab_size, seed=2) if kind == "random" else \
+        FixedHitsDrafter(stream, hits=1, vocab_size=DEEP.vocab_size)
+    planter = Planter()
+    got = generate(deep_prompts, weights, drafter_, new, K, cached=cached, allocator=alloc,
+                   caches=caches, on_step=planter)
+    if kind == "random":   # rejected drafts completed compressed entries of both ratios: garbage there too
+        assert planter.planted.get("hca_cmp", 0) > 0 and planter.planted.get("csa_cmp", 0) > 0
+    for i, tokens in reference.tokens.items():
+        diff = np.flatnonzero(got.tokens[i] != tokens)
+        if diff.size:
+            j = int(diff[0])
+            tol = order_atol(reference.logit_scales[i][j:j + 1], FORWARD_K_DEEP)
+            assert reference.margins[i][j] <= tol, (i, j)
+            warnings.warn(f"request {i} token {j}: near-tie, tokens differ", stacklevel=1)
+            return
+    lengths = {i: got.allocator.cached_tokens(i) for i in DEEP_CONTEXTS}
+    assert lengths == {i: reference.allocator.cached_tokens(i) for i in DEEP_CONTEXTS}
+    mine = readable_rows_index(DEEP, got.allocator, got.caches, lengths)
+    theirs = readable_rows_index(DEEP, reference.allocator, reference.caches, lengths)
+    for key, rows in theirs.items():
+        ref = reference.caches.layers[key[0]].arrays()[key[1]][rows]
+        val = got.caches.layers[key[0]].arrays()[key[1]][mine[key]]
+        assert np.isfinite(val).all(), key
+        # verify steps vs one-token steps: two summation orders along the forward's chain (tests/tolerances.py)
+        assert_close(val, ref, order_atol(ref, FORWARD_K_DEEP), f"cache rows {key}")
+
+
+
+@pytest.mark.distributed
+def test_speculative_equals_plain_on_rank_processes(weights):
+    """TP 2 with one process per rank (torch.distributed, gloo): a short run, every step a launch."""
+    short = [prompts()[0], prompts()[1][:9]]
+    reference = greedy_decode(short, weights, 4, tp=2, tp_mode="threads")
+    got = generate(short, weights, RandomDrafter(CFG.vocab_size, seed=1), 4, K, tp=2, tp_mode="distributed",
+                   prefill_chunk=CHUNK, on_step=Planter())
+    assert any(s.mixed for s in got.steps)
+    for i, tokens in reference.tokens.items():
+        np.testing.assert_array_equal(got.tokens[i], tokens)   # same ranks' math as threads: equal tokens
+
+
+def test_verify_results_carry_the_accepted_rows_features(weights):
+    """Per-request results: accepted count, accepted drafts, bonus, and the target features of the accepted rows
+    only."""
+    reference = plain(weights, 1, "single")
+    got = generate(prompts(), weights, FixedHitsDrafter(streams(reference), hits=2, vocab_size=CFG.vocab_size),
+                   NEW_TOKENS, K, prefill_chunk=CHUNK)
+    verified = [v for s in got.steps for v in s.verify]
+    assert verified and all(v.target_hidden.shape == (v.accepted, 3 * CFG.hidden_size) for v in verified)
+    assert all(v.accepted == 1 + v.accepted_tokens.size for v in verified)
+    assert any(v.accepted < v.width for v in verified)          # some drafts were rejected
