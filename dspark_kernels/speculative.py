@@ -26,11 +26,24 @@ import numpy as np
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, Issue, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
 from dspark_kernels.model.accept import Acceptance, accept_greedy, greedy_matrix
+from dspark_kernels.model.backends import Backend, backend_issues
 from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.numerics import PRECISIONS
 from dspark_kernels.model.weights import ModelWeights
 
-__all__ = ["Drafter", "FixedHitsDrafter", "GenerateResult", "RandomDrafter", "ReplayDrafter", "StepRecord",
-           "TP_MODES", "VerifyOutput", "generate", "greedy_decode", "rejected_rows"]
+__all__ = [
+    "TP_MODES",
+    "Drafter",
+    "FixedHitsDrafter",
+    "GenerateResult",
+    "RandomDrafter",
+    "ReplayDrafter",
+    "StepRecord",
+    "VerifyOutput",
+    "generate",
+    "greedy_decode",
+    "rejected_rows",
+]
 
 TpMode = Literal["single", "threads", "distributed"]
 #: How a step's forward runs a TP group: one process ("single"), one thread per rank, one process per rank.
@@ -162,10 +175,10 @@ class GenerateResult:
 def rejected_rows(batch: PackedBatch, accepted: np.ndarray) -> np.ndarray:
     """[P] bool: group rows the step wrote at positions its requests did not commit (rows beyond each request's
     ``accepted`` count); their cache rows must never be read before the request's next step rewrites them."""
-    starts = np.asarray(batch.query_start_loc[:-1], dtype=np.int64)
-    lengths = np.diff(np.asarray(batch.query_start_loc, dtype=np.int64))
+    qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
+    starts, lengths = qsl[:-1], qsl[1:] - qsl[:-1]
     mask = np.zeros(batch.padded_rows, bool)
-    offset = np.arange(batch.num_tokens) - np.repeat(starts, lengths)
+    offset = np.arange(batch.num_tokens, dtype=np.int64) - np.repeat(starts, lengths)
     mask[: batch.num_tokens] = offset >= np.repeat(np.asarray(accepted, dtype=np.int64), lengths)
     return mask
 
@@ -188,24 +201,27 @@ class _Runner:
     weights: ModelWeights
     caches: ModelCaches
     mode: TpMode
-    backend: str
+    backend: Backend
     precision: str
 
     def forward(self, batch: PackedBatch) -> _Forward:
         """The forward of ``batch`` at its own logit rows; ``caches`` hold its writes afterwards."""
+        tokens = batch.token_ids
+        if tokens is None:   # the loop always gives token ids; a batch without them cannot be verified
+            raise ABIError([Issue("array.missing", "token_ids", "a step of the loop needs token ids",
+                                  expected="[P] int64", actual="None")])
         if self.mode == "single":
             from dspark_kernels.api import prefill
 
-            res = prefill(batch, batch.token_ids, self.weights, self.caches, backend=self.backend,  # type: ignore[arg-type]
-                          precision=self.precision)
+            res = prefill(batch, tokens, self.weights, self.caches, backend=self.backend, precision=self.precision)
             return _Forward(res.logit_rows, res.sampled, res.logits, res.target_hidden)
         from dspark_kernels.model import tp
 
         if self.mode == "threads":
-            result = tp.run_tp_inprocess(batch, batch.token_ids, self.weights, self.caches, precision=self.precision,
+            result = tp.run_tp_inprocess(batch, tokens, self.weights, self.caches, precision=self.precision,
                                          backend=self.backend)[0].result
         else:
-            ranks = tp.launch(tp.DistributedJob(batch, batch.token_ids, self.weights, self.caches,
+            ranks = tp.launch(tp.DistributedJob(batch, tokens, self.weights, self.caches,
                                                 precision=self.precision, backend=self.backend))
             for name, array in self.caches.arrays().items():      # the rank processes wrote their own copies
                 array[...] = ranks[0].caches.arrays()[name]
@@ -214,16 +230,20 @@ class _Runner:
 
 
 def _runner(config: ModelConfig, weights: ModelWeights, caches: ModelCaches | None, allocator: BlockAllocator | None,
-            lengths: Sequence[int], tp_mode: str, backend: str, precision: str, slack: int
+            lengths: Sequence[int], tp_mode: TpMode, backend: Backend, precision: str, slack: int
             ) -> tuple[_Runner, BlockAllocator]:
+    issues = backend_issues(backend, precision) if precision in PRECISIONS else [
+        Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS), actual=repr(precision))]
     if tp_mode not in TP_MODES:
-        raise ABIError([Issue("config.invalid", "tp_mode", "unknown TP mode", expected=list(TP_MODES),
-                              actual=repr(tp_mode))])
+        issues.append(Issue("config.invalid", "tp_mode", "unknown TP mode", expected=list(TP_MODES),
+                            actual=repr(tp_mode)))
+    if issues:
+        raise ABIError(issues)
     if allocator is None:
         allocator = BlockAllocator(config, pool_blocks_for(config, list(lengths), slack=slack))
     if caches is None:
         caches = ModelCaches.allocate(config, allocator.pool_blocks, precision=precision)
-    return _Runner(weights, caches, tp_mode, backend, precision), allocator  # type: ignore[arg-type]
+    return _Runner(weights, caches, tp_mode, backend, precision), allocator
 
 
 def _prompts(prompts: Sequence[Sequence[int] | np.ndarray], cached: Sequence[int] | None, vocab: int
@@ -245,8 +265,9 @@ def _prompts(prompts: Sequence[Sequence[int] | np.ndarray], cached: Sequence[int
 
 # ---------------------------------------------------------------------------------------------- loops
 def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeights, drafter: Drafter,
-             max_new_tokens: int, K: int, *, tp: int = 1, tp_mode: TpMode = "single", backend: str = "reference",
-             precision: str = "fp32", prefill_chunk: int = 16, cached: Sequence[int] | None = None,
+             max_new_tokens: int, K: int, *, tp: int = 1, tp_mode: TpMode = "single",
+             backend: Backend = "reference", precision: str = "fp32", prefill_chunk: int = 16,
+             cached: Sequence[int] | None = None,
              allocator: BlockAllocator | None = None, caches: ModelCaches | None = None, slack: int = 8,
              on_step: Callable[[StepRecord, ModelCaches], None] | None = None) -> GenerateResult:
     """Greedy speculative decoding of ``prompts`` (request ids 0..n-1) with ``drafter``, up to ``max_new_tokens``
@@ -296,7 +317,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
         width = np.array([ids.size for ids in verify_inputs], np.int64)
         v_starts = np.array([starts[order[i]] for i in live], np.int64)
         outcome = _accept(verify_inputs, width, sampled, logit_rows, v_starts, batch.padded_rows)
-        accepted = np.array([chunks[int(r)] if int(r) in chunks else 0 for r in batch.requests.ids], np.int64)
+        accepted = np.array([chunks.get(int(r), 0) for r in batch.requests.ids], np.int64)
         accepted[[order[i] for i in live]] = outcome.accepted
         builder.commit(batch, accepted=accepted)  # type: ignore[call-arg]
         # results: the final prefill chunks sample the first generated token; verify requests keep their prefix
@@ -337,7 +358,8 @@ def _accept(inputs: list[np.ndarray], widths: np.ndarray, sampled: np.ndarray, l
 
 
 def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeights, max_new_tokens: int, *,
-                  tp: int = 1, tp_mode: TpMode = "single", backend: str = "reference", precision: str = "fp32",
+                  tp: int = 1, tp_mode: TpMode = "single", backend: Backend = "reference",
+                  precision: str = "fp32",
                   cached: Sequence[int] | None = None, allocator: BlockAllocator | None = None,
                   caches: ModelCaches | None = None, slack: int = 8) -> GenerateResult:
     """Plain greedy decoding, the golden reference of :func:`generate`: each prompt prefilled in one chunk, then

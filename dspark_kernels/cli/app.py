@@ -41,8 +41,8 @@ from dspark_abi.errors import ABIError
 from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
 from dspark_kernels.api import prefill
-from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
 from dspark_kernels.cli import speculate
+from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
 from dspark_kernels.cli.progress import PROGRESS_DELAY_S, ContextProgress, LayerProgress, progress_mode
 from dspark_kernels.model import tp
 from dspark_kernels.model.caches import ModelCaches
@@ -269,7 +269,8 @@ def _abi_line(exc: ABIError, args: argparse.Namespace) -> str:
         return str(exc)
     first = exc.issues[0]
     text = str(first)
-    if first.code == "builder.request" and hasattr(args, "request"):  # its registered hint is generic: name the --request to change
+    # its registered hint is generic: name the --request to change (commands without --request keep it)
+    if first.code == "builder.request" and hasattr(args, "request"):
         text = text.removesuffix(first.hint) + "change that --request value"
         if first.request is not None and 0 <= first.request < len(args.request):
             new, cached = args.request[first.request]
@@ -312,4 +313,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PyptoUnavailableError as exc:  # found by the pypto kernel process: a tool or version it needs
         return _fail(f"--backend pypto: {exc}", 2, prog)
     except Exception as exc:  # a failed run (pypto kernel process, rank process) or a bug: one line + a log file
-        return _fail(_logged(exc, f"the {args.backend} prefill failed" if args.command == "prefill" else "the run failed"), 1, prog)
+        what = f"the {args.backend} prefill failed" if args.command == "prefill" else "the run failed"
+        return _fail(_logged(exc, what), 1, prog)

@@ -1,7 +1,8 @@
 """Greedy acceptance of verify requests: the stage after the LM head of a verify step, shared by both backends.
 
 A verify request of width ``w`` holds inputs ``[anchor, d_1 .. d_{w-1}]`` at consecutive positions; the target's
-greedy ids at its rows are ``g_0 .. g_{w-1}`` (the backend's ``greedy`` head stage, :mod:`dspark_kernels.model.backends`).
+greedy ids at its rows are ``g_0 .. g_{w-1}`` (the backend's ``greedy`` head stage,
+:mod:`dspark_kernels.model.backends`).
 Draft ``d_{i+1}`` is what the target would have produced after row ``i`` exactly when ``d_{i+1} == g_i``. The
 request accepts the longest agreeing prefix, ``m`` drafts, and commits ``1 + m`` rows (the anchor and the ``m``
 drafts); it generates ``d_1 .. d_m`` and the bonus ``g_m``, the target's own choice after the last accepted row
