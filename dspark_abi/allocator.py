@@ -200,13 +200,14 @@ class BlockAllocator:
                         table[at, column] = -1 if blocks is None else blocks[found]
             return tables
 
-    def step_tables(self, plan: StepPlan, starts: np.ndarray, ends: np.ndarray, *, fixed_ring: bool = False
-                    ) -> dict[PoolName, np.ndarray]:
+    def step_tables(self, plan: StepPlan, starts: np.ndarray, ends: np.ndarray, *, fixed_ring: bool = False,
+                    ring_floor: Mapping[PoolName, int] | None = None) -> dict[PoolName, np.ndarray]:
         """pool -> [R, width] int32 tables of the step ``plan`` was made for (requests with new positions
         ``[starts, ends)``), as they will be once it is committed, each as narrow as the step allows.
 
         The width is the most pages any non-empty request's live range spans (at least 1), or for the ring
-        pools with ``fixed_ring`` their ``ring_width`` (the same shape every step). A ring pool's table
+        pools with ``fixed_ring`` their ``ring_width`` (the same shape every step); ``ring_floor`` gives ring pools
+        a least width (a verify step's headroom, :func:`~dspark_abi.layout.verify_headroom`). A ring pool's table
         holds each live page ``i`` in column ``i % width`` and -1 elsewhere; a compressed pool's table is the
         first ``width`` columns of the allocator's. Empty requests read nothing: their ring rows are -1.
         Cost O(R + live pages of the ring pools + R * width of the compressed pools), never O(R * context).
@@ -221,6 +222,8 @@ class BlockAllocator:
                 width = max(1, int(live_pages(pl, starts, ends, window).max(initial=0)))
                 if fixed_ring and pl.is_ring:
                     width = pl.ring_width
+                elif ring_floor and pl.is_ring:
+                    width = min(pl.ring_width, max(width, ring_floor.get(p, 0)))
                 m_rows, m_pages, m_blocks = plan.map_cells[p]
                 at, found = _positions(rows, m_rows)
                 pages, blocks = m_pages[found], m_blocks[found]

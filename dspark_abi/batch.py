@@ -218,7 +218,7 @@ class RankView:
 
 @attrs.frozen(eq=True)
 class PackedBatch(BatchGeometry):
-    """The whole metadata of one packed prefill call of one TP group. Constructing one validates it.
+    """The whole metadata of one packed call (prefill chunks and verify requests) of one TP group. Constructing one validates it.
 
     Build with :class:`dspark_abi.BatchBuilder` (serving code) or directly from arrays; any violation
     raises :class:`ABIError` listing every issue. Read-only; change with ``attrs.evolve`` (re-validates).
@@ -234,6 +234,8 @@ class PackedBatch(BatchGeometry):
         request_ids: [R] int64: serving request ids, unique; default 0..R-1.
         token_ids: [P] int64: token ids (MoE hash routing); padding = pad_token_id.
         logit_rows: [M] int32: group rows in [0, N) to sample; -1 = inactive.
+        verify_widths: [R] int32 (since 1.2): 0 = prefill chunk, w >= 1 = verify request of w rows; None = all 0.
+        logit_mode: [R] int8 (since 1.2): output intent, 0 none, 1 last row, 2 every row; None = 1.1's logit_rows.
         requests: The per-request record (:class:`~dspark_abi.requests.BatchRequests`): built once, by the
             builder or from the arrays above; not compared (it is derived from them) and re-derived when it does
             not describe them (e.g. after ``attrs.evolve``).
@@ -250,6 +252,8 @@ class PackedBatch(BatchGeometry):
     request_ids: np.ndarray | None = _afield("request_ids", True)
     token_ids: np.ndarray | None = _afield("token_ids", True)
     logit_rows: np.ndarray | None = _afield("logit_rows", True)
+    verify_widths: np.ndarray | None = _afield("verify_widths", True)
+    logit_mode: np.ndarray | None = _afield("logit_mode", True)
     # filled in __attrs_post_init__ when not given: never None on a constructed batch
     requests: BatchRequests = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
@@ -261,7 +265,8 @@ class PackedBatch(BatchGeometry):
         if not trusted:
             validate_arrays(self.to_arrays(), self.config, self.policy, self.pool_blocks).raise_if_invalid()
         given: BatchRequests | None = self.requests
-        args = (self.query_start_loc, self.positions, self.request_ids, self.logit_rows)
+        args = (self.query_start_loc, self.positions, self.request_ids, self.logit_rows, self.verify_widths,
+                self.logit_mode)
         if given is None or not (trusted or given.agrees_with(*args)):
             object.__setattr__(self, "requests", BatchRequests.from_arrays(*args))
 

@@ -36,10 +36,10 @@ from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.incremental import Proposal, StepValidator
-from dspark_abi.layout import POOL_NAMES, physical_rows, written_logical
+from dspark_abi.layout import POOL_NAMES, physical_rows, verify_headroom, written_logical
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
-from dspark_abi.requests import BatchRequests
+from dspark_abi.requests import BatchRequests, implied_logit_rows
 from dspark_abi.validation import EMPTY_BATCH_FIX
 
 
@@ -53,12 +53,23 @@ class StepRequests:
         cached: [R] int64 tokens of each request already in the caches (its first new position).
         new: [R] int64 new tokens of each request in this step (>= 0).
         token_ids: [N] int64 token ids of the new tokens, request after request, or None when the step gives none.
+        verify_width: [R] int32 0 for a prefill chunk, its row count for a verify request.
+        logit_mode: [R] int8 output intent: 0 none, 1 last row, 2 every row (a verify request).
     """
 
     ids: np.ndarray
     cached: np.ndarray
     new: np.ndarray
     token_ids: np.ndarray | None = None
+    verify_width: np.ndarray | None = None
+    logit_mode: np.ndarray | None = None
+
+    @property
+    def declares_intent(self) -> bool:
+        """The step needs ABI 1.2's ``verify_widths`` / ``logit_mode``: it holds a verify request or a chunk that
+        asks for no logits."""
+        return self.verify_width is not None and self.logit_mode is not None and bool(
+            (self.verify_width > 0).any() or (self.logit_mode == 0).any())
 
 
 @attrs.frozen(eq=False)
@@ -91,6 +102,9 @@ _IDS_FIX = ("pass token_ids as a list or 1-D numpy array of integers (no floats,
             "arrays), one id per new token")
 _MANY_FIX = ("pass add_many() 1-D integer arrays (or lists) of one entry per request: request_ids within int64, "
              "num_cached and num_new >= 0")
+_LOGITS_FIX = "pass logits='last' (a final prefill chunk: logits at its last row) or logits='none' (an earlier chunk)"
+#: Output intent of a queued request: add(logits=...) or a verify request.
+_MODE = {"none": 0, "last": 1, "verify": 2}
 _ROWS_FIX = ("pass logit_rows='last', None, or a list / 1-D numpy array of int32 group rows in [0, N) "
              "(-1 for an inactive entry)")
 
@@ -183,19 +197,47 @@ class BatchBuilder:
                                   fix="give the builder a StepValidator(config, policy, pool_blocks) of its own")])
         self.config, self.policy, self.allocator, self.validator = config, policy, allocator, validator
         self.fixed_ring = ring_width == "fixed"
-        self._pending: list[tuple[Any, Any, Any, Any] | _Many] = []  # add() / add_many() arguments as given
+        # add() / add_verify() arguments as given (with the intent: "last", "none" or "verify") / add_many() calls
+        self._pending: list[tuple[Any, Any, Any, Any, Any] | _Many] = []
         self._built: dict[int, _Built] = {}          # id(batch) -> its commit, for the batches not committed yet
         self._committed: dict[int, weakref.ref[PackedBatch]] = {}   # batches committed (to report a 2nd commit)
 
-    def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
-            ) -> None:
-        """Queue one request for the next :meth:`build` (checked there, all requests at once).
+    def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None,
+            *, logits: Literal["last", "none"] = "last") -> None:
+        """Queue one prefill chunk for the next :meth:`build` (checked there, all requests at once).
 
         request_id, num_cached and num_new must be Python or numpy integers (not bool, float or str);
         token_ids a 1-D integer sequence of ``num_new`` ids. They are copied, not converted: a wrong type is
         reported by ``build()``, never truncated.
+
+        logits: the chunk's output intent: "last" (a final chunk: the logits of its last row, the next token) or
+        "none" (an earlier chunk of a longer prompt: no logits).
         """
-        self._pending.append((request_id, num_cached, num_new, _copy(token_ids)))
+        self._pending.append((request_id, num_cached, num_new, _copy(token_ids), logits))
+
+    def add_verify(self, request_id: int, num_cached: int, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Queue one verify request: ``token_ids = [anchor, d_1, ..., d_k]``, the anchor (the input after the last
+        committed token) at position ``num_cached`` (the first position not yet cached) and the k drafts at the
+        following positions. Its width ``1 + k`` may be 1 (no drafts this step) up to ``1 + K``, K the config's
+        ``dspark_block_size``; ``num_cached`` must be >= 1 (``verify.no_anchor``). The step produces logits at
+        every row of the request; :meth:`commit` then takes its accepted count (1..width).
+
+        >>> from dspark_abi import BlockAllocator, PaddingPolicy, PoolBlocks
+        >>> from dspark_abi.presets import TINY_DSPARK
+        >>> alloc = BlockAllocator(TINY_DSPARK, PoolBlocks.uniform(64))
+        >>> builder = BatchBuilder(TINY_DSPARK, PaddingPolicy(), alloc)
+        >>> builder.add(0, num_cached=0, num_new=4, token_ids=[5, 6, 7, 8])
+        >>> builder.commit(builder.build())
+        >>> builder.add_verify(0, num_cached=4, token_ids=[9, 10, 11])     # anchor 9, drafts 10 and 11
+        >>> builder.add(1, num_cached=0, num_new=2, token_ids=[3, 4], logits="none")
+        >>> batch = builder.build()
+        >>> batch.requests.verify_width.tolist(), batch.logit_mode.tolist(), batch.logit_rows.tolist()
+        ([3, 0], [2, 0], [0, 1, 2, -1])
+        >>> builder.commit(batch, accepted=[2, 2])      # the anchor and the first draft
+        >>> alloc.cached_tokens(0), alloc.cached_tokens(1)
+        (6, 2)
+        """
+        self._pending.append((request_id, num_cached, None, _copy(token_ids), "verify"))
 
     def add_many(self, request_ids: Sequence[int] | np.ndarray, num_cached: Sequence[int] | np.ndarray,
                  num_new: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray | None = None) -> None:
@@ -220,12 +262,14 @@ class BatchBuilder:
         """Validated batch of the queued requests; clears the queue on success. Allocates nothing: pass the
         batch to :meth:`commit` once its forward ran.
 
-        logit_rows: 'last' samples the last new token of every non-empty request (-1 for empty ones),
-        None leaves them out, or an explicit list of group rows.
+        logit_rows: 'last' follows each request's output intent (``add(logits=...)``: the last row of a final
+        chunk, none of an earlier one, -1 for empty requests; every row of a verify request); None leaves them
+        out, or an explicit list of group rows (both only for steps without verify requests, as in ABI 1.1).
+        A step with a verify request or a ``logits="none"`` chunk carries ``verify_widths`` and ``logit_mode``.
         On any error nothing is planned and the queue is kept, so the caller can fix and retry.
         """
         step, rows = self._check_specs(list(self._pending), logit_rows)
-        plan = self.allocator.plan(step.ids.tolist(), step.cached, step.cached + step.new)
+        plan = self.allocator.plan(step.ids.tolist(), step.cached, step.cached + step.new)   # all rows, drafts too
         proposals: list[Proposal | None] = []
         batch = self._assemble(step, plan, rows, proposals)
         self._forget_dropped()
@@ -233,13 +277,20 @@ class BatchBuilder:
         self._pending.clear()
         return batch
 
-    def commit(self, batch: PackedBatch) -> None:
-        """Advance every request of ``batch`` (built by this builder) by all its rows: the allocator maps the
+    def commit(self, batch: PackedBatch, accepted: Sequence[int] | np.ndarray | None = None) -> None:
+        """Advance every request of ``batch`` (built by this builder) by its committed rows: the allocator maps the
         step's pages, recycles the ring pages out of reach and counts the rows as cached; the builder's step
         validator takes the step as the baseline of the next one. Call it after the batch's forward.
 
-        Raises ``alloc.stale_plan`` (changing nothing) for a batch this builder did not build, one committed
-        already, or one another commit or release on the allocator overtook (build the step again)."""
+        accepted: None (every row of every request) or one integer per request, in batch order: a prefill chunk's
+        row count, or for a verify request its accepted count 1..width (the anchor is a real token, always kept).
+        A request advances by exactly that many positions. Nothing a later step reads is freed: the pages mapped
+        for rejected drafts stay mapped and the request's next step rewrites their rows before any query reads
+        them (spec section 13.3).
+
+        Raises ``commit.accepted`` for malformed counts and ``alloc.stale_plan`` for a batch this builder did not
+        build, one committed already, or one another commit or release on the allocator overtook (build the step
+        again); in every case nothing changes."""
         built = self._built.get(id(batch))
         if built is None or built.batch() is not batch:
             done = self._committed.get(id(batch))
@@ -251,7 +302,11 @@ class BatchBuilder:
                 actual="a committed batch" if twice else "a batch of another builder or made from arrays",
                 fix="commit each built batch once, with the builder that built it" if twice else
                     "commit a batch with the BatchBuilder whose build() made it")])
-        self.allocator.commit(built.plan)            # alloc.stale_plan when another commit or release overtook it
+        plan = built.plan
+        if accepted is not None:
+            counts = _accepted_counts(batch.requests, accepted)
+            plan = attrs.evolve(plan, ends=batch.requests.first_position + counts)
+        self.allocator.commit(plan)                  # alloc.stale_plan when another commit or release overtook it
         del self._built[id(batch)]
         self._forget_dropped()
         self._committed[id(batch)] = built.batch
@@ -265,7 +320,7 @@ class BatchBuilder:
                 del book[key]
 
     # ------------------------------------------------------------------ internals
-    def _check_specs(self, queued: list[tuple[Any, Any, Any, Any] | _Many], logit_rows: Any
+    def _check_specs(self, queued: list[tuple[Any, Any, Any, Any, Any] | _Many], logit_rows: Any
                      ) -> tuple[StepRequests, str | np.ndarray | None]:
         """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once.
 
@@ -277,26 +332,44 @@ class BatchBuilder:
         # per queue entry: ids, cached, new, all three exact, the id exact (duplicates are named even then)
         parts: list[_Part] = []
         token_parts: list[Any] = []
+        modes: list[np.ndarray] = []                              # per queue entry: the intent of its requests
         index = 0                                                 # a request's index: its place in the queue
         for entry in queued:
             part, tokens = (self._convert_many(entry, index, issues) if isinstance(entry, _Many) else
                             self._convert_one(entry, index, issues))
             parts.append(part)
             token_parts.append(tokens)
+            kind = "last" if isinstance(entry, _Many) else entry[4]
+            if kind not in _MODE:
+                _bad(issues, index, "logits", f"logits must be 'last' or 'none', got {_short(kind)}",
+                     "'last' or 'none'", _short(kind), _LOGITS_FIX)
+            modes.append(np.full(part[0].size, _MODE.get(kind, 1), np.int8))
             index += part[0].size
 
         ids, cached, new, exact, id_exact = (np.concatenate([p[k] for p in parts]) if parts else
                                              np.zeros(0, np.int64) for k in range(5))
         exact, id_exact = exact.astype(bool), id_exact.astype(bool)
-        self._check_values(issues, ids, cached, new, exact, id_exact)
+        mode = np.concatenate(modes) if modes else np.zeros(0, np.int8)
+        verify = mode == _MODE["verify"]
+        self._check_values(issues, ids, cached, new, exact, id_exact, verify)
+        self._check_verify(issues, cached, new, exact, verify)
         self._check_step(issues, ids, new, exact, token_parts)
         rows = self._check_logit_rows(issues, logit_rows)
+        if verify.any() and not (isinstance(rows, str) and rows == "last"):
+            issues.append(Issue("builder.request", "logit_rows", "a step with verify requests produces the logits "
+                                "its requests' intent implies (every row of a verify request)",
+                                expected="'last'", actual=_short(logit_rows),
+                                fix="build(logit_rows='last') (the default) and choose each chunk's logits with "
+                                    "add(..., logits='last' | 'none')"))
         if issues:
             raise ABIError(issues)
         tokens = None
         if token_parts and token_parts[0] is not None:
             tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
-        return StepRequests(ids, cached, new, tokens), rows
+        if rows is None:
+            mode[:] = 0
+        width = np.where(verify, new, 0).astype(np.int32)
+        return StepRequests(ids, cached, new, tokens, width, mode), rows
 
     @staticmethod
     def _convert_many(entry: _Many, index: int, issues: list[Issue]) -> tuple[_Part, Any]:
@@ -334,9 +407,17 @@ class BatchBuilder:
         return part, entry.token_ids if tids is None else tids
 
     @staticmethod
-    def _convert_one(entry: tuple[Any, Any, Any, Any], index: int, issues: list[Issue]) -> tuple[_Part, Any]:
-        """One add() entry (Python scalars, converted one by one) as one-element arrays, and its token ids."""
-        request_id, num_cached, num_new, token_ids = entry
+    def _convert_one(entry: tuple[Any, Any, Any, Any, Any], index: int, issues: list[Issue]) -> tuple[_Part, Any]:
+        """One add() or add_verify() entry (Python scalars, converted one by one) as one-element arrays, and its
+        token ids (a verify request's row count is its token count)."""
+        request_id, num_cached, num_new, token_ids, kind = entry
+        if kind == "verify":
+            tids, problem = (None, "None") if token_ids is None else _int_vector(token_ids, *_INT64)
+            if tids is None:
+                _bad(issues, index, "token_ids", f"a verify request's token_ids must be a 1-D sequence of integers "
+                     f"[anchor, drafts...], got {problem}", "1-D integer sequence", problem, _IDS_FIX)
+                token_ids = np.zeros(0, np.int64)         # reported: the step still counts the request
+            num_new = 0 if tids is None else int(tids.size)
         rid = _exact_int(request_id, *_INT64)
         if rid is None:
             _bad(issues, index, "request_id", f"request_id must be an integer within int64, got "
@@ -390,7 +471,7 @@ class BatchBuilder:
         return vec.astype(np.int32)
 
     def _check_values(self, issues: list[Issue], ids: np.ndarray, cached: np.ndarray, new: np.ndarray,
-                      exact: np.ndarray, id_exact: np.ndarray) -> None:
+                      exact: np.ndarray, id_exact: np.ndarray, verify: np.ndarray) -> None:
         """The rules on the values of the exactly-typed requests, vectorized (loops run over offenders only)."""
         max_pos, chunk_cap = self.config.max_position_embeddings, self.allocator.max_chunk_tokens
 
@@ -406,7 +487,7 @@ class BatchBuilder:
         each(repeat, "request_id", lambda i: f"request_id {ids[i]} is already in this step", lambda i: "unique id",
              lambda i: int(ids[i]),
              lambda i: f"add request {ids[i]} once per step (queue its later tokens as the next step's chunk)")
-        past = exact & ((cached > max_pos) | (new > max_pos - np.minimum(cached, max_pos)))   # cached + new > max
+        past = exact & ~verify & ((cached > max_pos) | (new > max_pos - np.minimum(cached, max_pos)))  # > max
         each(past, "num_new", lambda i: f"context num_cached + num_new = {int(cached[i]) + int(new[i])} would "
              f"exceed max_position_embeddings={max_pos}", lambda i: f"<= {max_pos}",
              lambda i: int(cached[i]) + int(new[i]),
@@ -417,7 +498,7 @@ class BatchBuilder:
              lambda i: f"<= {chunk_cap}", lambda i: int(new[i]),
              lambda i: f"split the request into chunks of at most {chunk_cap} tokens over several steps")
         if not self.policy.allow_empty_requests:
-            each(exact & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy", lambda i: "> 0",
+            each(exact & ~verify & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy", lambda i: "> 0",
                  lambda i: 0, lambda i: "drop the request from this step or set "
                                         "PaddingPolicy(allow_empty_requests=True)")
         have = self.allocator.cached_tokens_of(ids.tolist())      # -1 for a request the allocator does not know
@@ -428,12 +509,41 @@ class BatchBuilder:
                        f"chunk of request {ids[i]} was built but not committed yet, commit it first "
                        "(builder.commit(batch) after its forward)")
 
+    def _check_verify(self, issues: list[Issue], cached: np.ndarray, new: np.ndarray, exact: np.ndarray,
+                      verify: np.ndarray) -> None:
+        """The rules of the verify requests (their row count is their width), vectorized over offenders."""
+        cap, k, max_pos = self.config.max_verify_width, self.config.dspark_block_size, \
+            self.config.max_position_embeddings
+        mine = exact & verify
+        for i in np.flatnonzero(mine & (new == 0)).tolist():
+            issues.append(Issue("verify.width", "token_ids", "a verify request needs at least its anchor token",
+                                index=i, request=i, expected=f"1..{cap} tokens", actual=0,
+                                fix="pass token_ids=[anchor, drafts...] with the anchor first"))
+        for i in np.flatnonzero(mine & (new > cap)).tolist():
+            issues.append(Issue("verify.drafts", "token_ids", f"{int(new[i]) - 1} drafts, more than the config's "
+                                f"dspark_block_size={k}", index=i, request=i, expected=f"<= {cap} tokens "
+                                f"(anchor + {k} drafts)", actual=int(new[i]),
+                                fix=f"verify at most {k} drafts per step (fewer is fine)"))
+        for i in np.flatnonzero(mine & (cached == 0)).tolist():
+            issues.append(Issue("verify.no_anchor", "num_cached", "a verify request needs at least one committed "
+                                "token before its anchor", index=i, request=i, expected=">= 1", actual=0))
+        for i in np.flatnonzero(mine & (new >= 1) & (cached + np.maximum(new, 1) > max_pos)).tolist():
+            issues.append(Issue("verify.position_limit", "token_ids", f"rows at positions {int(cached[i])}.."
+                                f"{int(cached[i] + new[i]) - 1} reach max_position_embeddings={max_pos}", index=i,
+                                request=i, expected=f"num_cached + width <= {max_pos}",
+                                actual=int(cached[i] + new[i]),
+                                fix=f"verify at most {max(0, max_pos - int(cached[i]))} tokens after "
+                                    f"num_cached={int(cached[i])}"))
+
     def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None,
                   proposals: list[Proposal | None]) -> PackedBatch:
         layout, policy = self.config.layout, self.policy
         starts, lengths = step.cached, step.new
         # a str is "last" (anything else was refused by _check_specs)
-        requests = BatchRequests.from_step(step.ids, starts, lengths, logit_rows)
+        intent = step.declares_intent
+        requests = BatchRequests.from_step(step.ids, starts, lengths, logit_rows,
+                                           step.verify_width if intent else None,
+                                           step.logit_mode if intent else None)
         qsl = np.zeros(lengths.size + 1, dtype=np.int32)
         qsl[1:] = requests.row_end
         n = int(qsl[-1])
@@ -446,7 +556,10 @@ class BatchBuilder:
         positions[n:] = policy.padding_positions(pos[-1] if n else 0, p_rows - n)
 
         # tables as narrow as the step's widest live range: O(R * pages used), not O(R * max positions)
-        tables = self.allocator.step_tables(plan, starts, starts + lengths, fixed_ring=self.fixed_ring)
+        widest = int(step.verify_width.max(initial=0)) if step.verify_width is not None else 0
+        floor = {pl.name: verify_headroom(pl, widest) for pl in layout} if widest else None
+        tables = self.allocator.step_tables(plan, starts, starts + lengths, fixed_ring=self.fixed_ring,
+                                            ring_floor=floor)
         slots = {}
         for p in POOL_NAMES:
             pl = layout.pools[p]
@@ -458,8 +571,12 @@ class BatchBuilder:
         if step.token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = step.token_ids
-        rows = requests.logit_row if isinstance(logit_rows, str) else logit_rows
+        rows = logit_rows
+        if isinstance(logit_rows, str):          # 'last': what each request's intent implies
+            rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode)
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
+        if intent:
+            arrays |= {"verify_widths": requests.verify_width, "logit_mode": requests.logit_mode}
         arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
         arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
         # validated on these private arrays (numpy memory, fast to gather from), then frozen: copied once
@@ -474,3 +591,29 @@ class BatchBuilder:
 
         return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check,
                                        requests=requests)
+
+
+def _accepted_counts(requests: BatchRequests, accepted: Any) -> np.ndarray:
+    """[R] int64 rows each request of a step commits: ``accepted`` checked against the step (raises
+    ``commit.accepted`` with every offender; nothing is changed)."""
+    count = requests.count
+    vec, problem = _int_vector(accepted, *_INT64)
+    if vec is None or vec.shape != (count,):
+        actual = problem if vec is None else f"{vec.size} counts"
+        raise ABIError([Issue("commit.accepted", "accepted", f"accepted must be None or one integer per request "
+                              f"({count}), got {actual}", expected=f"{count} integers", actual=actual)])
+    rows, width = requests.commit_rows, requests.verify_width.astype(np.int64)
+    verify = width > 0
+    issues = []
+    for i in np.flatnonzero(~verify & (vec != rows)).tolist():
+        issues.append(Issue("commit.accepted", "accepted", "a prefill chunk commits all its rows", index=i,
+                            request=i, expected=int(rows[i]), actual=int(vec[i]),
+                            fix=f"pass accepted[{i}] = {int(rows[i])} (the chunk's row count)"))
+    for i in np.flatnonzero(verify & ((vec < 1) | (vec > width))).tolist():
+        issues.append(Issue("commit.accepted", "accepted", "a verify request commits 1 (its anchor) up to its "
+                            "width: no more rows than the step verified", index=i, request=i,
+                            expected=f"1..{int(width[i])}", actual=int(vec[i]),
+                            fix="commit the accepted prefix: the anchor plus the drafts the target agreed with"))
+    if issues:
+        raise ABIError(issues)
+    return vec

@@ -110,6 +110,10 @@ class ModelConfig(StrictModel):
     dspark_target_layers: tuple[int, ...] = Field(default=(), exclude_if=lambda layers: not layers)
     """Layers whose output feeds the DSpark drafter (``dspark_target_layer_ids``; ``[40, 41, 42]`` for
     DeepSeek-V4-Flash-DSpark); empty without a drafter. Omitted from dumps when empty."""
+    dspark_block_size: int = Field(default=0, ge=0, le=64, exclude_if=lambda k: not k)
+    """K: the most drafts the DSpark drafter proposes per block (``dspark_block_size``; 5 for
+    DeepSeek-V4-Flash-DSpark), so a verify request holds 1 to 1 + K rows (:attr:`max_verify_width`); 0 without a
+    drafter (a verify request is then its anchor alone). Omitted from dumps when 0."""
 
     @model_validator(mode="after")
     def _check_dims(self) -> ModelConfig:
@@ -138,6 +142,11 @@ class ModelConfig(StrictModel):
         return self
 
     # ------------------------------------------------------------------ derived
+    @property
+    def max_verify_width(self) -> int:
+        """1 + K: the most rows of one verify request (its anchor plus at most ``dspark_block_size`` drafts)."""
+        return 1 + self.dspark_block_size
+
     @property
     def num_layers(self) -> int:
         """Layers in the schedule (``len(compress_ratios)``)."""
@@ -235,6 +244,7 @@ class ModelConfig(StrictModel):
                 "norm_topk_prob": take("norm_topk_prob", default=True),
             },
             "dspark_target_layers": take("dspark_target_layer_ids", default=[]),
+            "dspark_block_size": take("dspark_block_size", default=0),
         }
         if issues:
             raise ABIError(issues)
@@ -269,6 +279,8 @@ class ModelConfig(StrictModel):
         }
         if self.dspark_target_layers:
             out["dspark_target_layer_ids"] = list(self.dspark_target_layers)
+        if self.dspark_block_size:
+            out["dspark_block_size"] = self.dspark_block_size
         return out
 
 

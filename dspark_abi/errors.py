@@ -72,6 +72,32 @@ CODES: dict[str, tuple[str, str]] = {
                                 "never share a written page between requests"),
     "state.ring_alias": ("two positions of a request's live state range map to the same state row",
                          "the state ring must hold state_len + chunk positions without wrapping"),
+    # ---- verify requests and output intent (spec 1.2, section 13)
+    "verify.width": ("a verify request's width is not 1..1 + K rows, or verify_widths disagrees with the request's "
+                     "rows (0 marks a prefill chunk)",
+                     "give each verify request its anchor plus at most dspark_block_size drafts; set verify_widths[r] "
+                     "to the request's row count for a verify request and 0 for a prefill chunk"),
+    "verify.drafts": ("a verify request carries more drafts than the config's dspark_block_size (K)",
+                      "draft at most dspark_block_size tokens per block (fewer is fine); a config without DSpark "
+                      "verifies the anchor alone"),
+    "verify.no_anchor": ("a verify request starts at position 0: nothing is committed before it, so it has no anchor",
+                         "prefill the prompt first (add), then verify from the first position not yet cached"),
+    "verify.position_limit": ("a verify request's drafts reach max_position_embeddings (a clamped duplicate "
+                              "position would carry a real slot)",
+                              "draft fewer tokens near the end of the context: num_cached + width <= "
+                              "max_position_embeddings"),
+    "verify.ring_headroom": ("a ring table (ori or a state pool) is narrower than the headroom of the step's widest "
+                             "verify request: reach + verify width positions, rounded to pages, plus one page",
+                             "give each ring table at least ceil((reach + width) / page_size) + 1 columns (the "
+                             "builder does; PoolLayout.ring_width always suffices)"),
+    "logits.intent": ("logit_mode is not 0 (none), 1 (last row) or 2 (every row) where the request allows it, or "
+                      "logit_rows differs from what the intent implies",
+                      "verify requests take 2, prefill chunks 0 or 1; logit_rows lists, request after request, -1 for "
+                      "mode 0, the last row for mode 1 and every row for mode 2"),
+    "commit.accepted": ("the accepted counts given to BatchBuilder.commit are malformed or exceed what the step "
+                        "verified",
+                        "pass None or one integer per request: a prefill chunk's row count, 1..width for a verify "
+                        "request; nothing was committed"),
     # ---- misc fields
     "logits.range": ("a logit row index is not -1 and not in [0, N)", "point logit rows at live tokens or use -1"),
     "request_ids.duplicate": ("two requests share a serving request id", "request ids must be unique in a batch"),

@@ -10,7 +10,7 @@ drift-checked by :mod:`dspark_abi.io.spec_table`).
 A new field is one :class:`FieldSpec` here plus its rules (value rules in :mod:`dspark_abi.rules`, codes in
 :mod:`dspark_abi.errors`) and, for a batch field, its attribute on ``PackedBatch``.
 
-Symbols of the shapes: R requests; N live tokens; P = align_up(N, TP) group rows (rows ``N..P-1`` are padding);
+Symbols of the shapes: R requests; K the config's ``dspark_block_size``; N live tokens; P = align_up(N, TP) group rows (rows ``N..P-1`` are padding);
 L = P / TP rank rows; G logit rows; ``w_<pool>`` the column count of that pool's table (spec 5.6); ``...`` any
 trailing axes.
 """
@@ -165,6 +165,12 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("logit_rows", "int32", ("G",), None, "replicated", False, "1.0",
               "group rows to sample, in `[0, N)`; -1 = inactive entry (e.g. a zero-length request)", "–",
               upstream="logit_row_indices"),
+    FieldSpec("verify_widths", "int32", ("R",), None, "replicated", False, "1.2",
+              "0 = request r is a prefill chunk; w in `1..1+K` = a verify request of w rows (anchor at the first "
+              "uncached position, then w − 1 drafts); absent means all 0", "–"),
+    FieldSpec("logit_mode", "int8", ("R",), None, "replicated", False, "1.2",
+              "output intent of request r: 0 none, 1 its last row, 2 every row (verify requests); `logit_rows` "
+              "must list exactly these rows (-1 for 0); absent means 1.1's `logit_rows` alone", "–"),
     FieldSpec("hidden", "floating", ("P", "..."), "zero", "replicated", False, "1.0",
               "input hidden state rows (`x_hc`), replicated on every rank", "0", tensor="extra.hidden",
               in_batch=False),

@@ -341,7 +341,9 @@ class StepValidator:
         row_request, pos, start, end, live, ok_req = check_tokens(
             issues, config=config, policy=self.policy, qsl=qsl, n_tokens=n, n_rows=self.policy.padded_rows(n),
             positions=arrays["positions"], slots=slots, token_ids=arrays.get("token_ids"),
-            logit_rows=arrays.get("logit_rows"), hidden=None if hidden is None else np.asarray(hidden))
+            logit_rows=arrays.get("logit_rows"), hidden=None if hidden is None else np.asarray(hidden),
+            verify_widths=arrays.get("verify_widths"), logit_mode=arrays.get("logit_mode"),
+            ring_widths={p: t.shape[1] for p, t in tables.items()})
 
         n_req = start.size
         ids = arrays.get("request_ids")

@@ -172,6 +172,17 @@ def ring_width_for(table_width: int, page_size: int, reach: int, chunk: int = MA
     return min(table_width, cdiv(reach + chunk, page_size) + 1)
 
 
+def verify_headroom(pl: PoolLayout, width: int) -> int:
+    """Columns a ring table needs for a verify request of ``width`` rows (0 for a compressed pool): THE headroom of
+    the rejection invariant (spec section 13.3). A verify request reads ``reach`` positions before its anchor and
+    writes ``width`` rows; the rows of its rejected drafts must not share a physical row with any position the
+    request's next step reads, so the ring must hold ``reach + width`` positions without wrapping: at most
+    ``ceil((reach + width) / page) + 1`` pages (:func:`ring_width_for` with ``chunk = width``)."""
+    if not pl.is_ring or width <= 0:
+        return 0
+    return ring_width_for(pl.table_width, pl.page_size, pl.reach, width)
+
+
 def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(first page, one past the last page) of the logical range ``[lo, hi)`` in pages of ``page_size``:
     ``(lo // S, (hi - 1) // S + 1)``, and ``(0, 0)`` where the range is empty (hi <= lo). Elementwise, int64.

@@ -23,11 +23,12 @@ from dspark_abi.layout import (
     physical_rows,
     table_column,
     touched_pages,
+    verify_headroom,
     written_logical,
 )
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
-from dspark_abi.requests import owner_of_rows
+from dspark_abi.requests import implied_logit_rows, owner_of_rows
 
 
 def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message: str, *,
@@ -53,11 +54,13 @@ def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message:
 def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolicy, blocks: PoolBlocks,
                qsl: np.ndarray, n_tokens: int, n_rows: int, positions: np.ndarray,
                tables: Mapping[PoolName, np.ndarray], slots: Mapping[PoolName, np.ndarray],
-               token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None) -> None:
+               token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None,
+               verify_widths: np.ndarray | None = None, logit_mode: np.ndarray | None = None) -> None:
     """Append an issue for every value-level rule the batch breaks (shapes and dtypes are known to be right)."""
     row_request, pos, start, end, live, ok_req = check_tokens(
         issues, config=config, policy=policy, qsl=qsl, n_tokens=n_tokens, n_rows=n_rows, positions=positions,
-        slots=slots, token_ids=token_ids, logit_rows=logit_rows, hidden=hidden)
+        slots=slots, token_ids=token_ids, logit_rows=logit_rows, hidden=hidden, verify_widths=verify_widths,
+        logit_mode=logit_mode, ring_widths={p: t.shape[1] for p, t in tables.items()})
     layout = config.layout
     for pool in POOL_NAMES:
         pl = layout.pools[pool]
@@ -73,7 +76,9 @@ def check_deep(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolic
 
 def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPolicy, qsl: np.ndarray, n_tokens: int,
                  n_rows: int, positions: np.ndarray, slots: Mapping[PoolName, np.ndarray],
-                 token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None
+                 token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None,
+                 verify_widths: np.ndarray | None = None, logit_mode: np.ndarray | None = None,
+                 ring_widths: Mapping[PoolName, int] | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The O(R + P) token rules of :func:`check_deep` (positions, padding rows, token ids, logit rows), shared with
     :class:`dspark_abi.incremental.StepValidator`. Returns what the pool rules need: ``row_request`` [N],
@@ -113,8 +118,69 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
         _flag(issues, "logits.range", "logit_rows", (logit_rows != -1) & ((logit_rows < 0) | (logit_rows >= n)),
               f"logit rows must be -1 or in [0, N={n})", expected=f"-1 or 0..{n - 1}" if n else "-1 (no live row)",
               actual=logit_rows)
+    check_verify(issues, config=config, qsl=qsl, start=start, logit_rows=logit_rows, verify_widths=verify_widths,
+                 logit_mode=logit_mode, ring_widths=ring_widths or {})
 
     return row_request, pos, start, end, live, request_ok & nonempty
+
+
+def check_verify(issues: list[Issue], *, config: ModelConfig, qsl: np.ndarray, start: np.ndarray,
+                 logit_rows: np.ndarray | None, verify_widths: np.ndarray | None, logit_mode: np.ndarray | None,
+                 ring_widths: Mapping[PoolName, int]) -> None:
+    """The rules of verify requests and output intent (spec 1.2, section 13), O(R + G).
+
+    verify_widths [R] int32: 0 = prefill chunk, w = verify request of its w rows, 1 <= w <= 1 + K, starting after
+    at least one committed token, within the position limit; every ring table at least as wide as the headroom of
+    the widest one. logit_mode [R] int8: 0 or 1 for a prefill chunk, 2 for a verify request; ``logit_rows`` then
+    equals :func:`~dspark_abi.requests.implied_logit_rows`."""
+    lengths = np.diff(qsl.astype(np.int64))
+    request = np.arange(lengths.size)
+    width = None if verify_widths is None else verify_widths.astype(np.int64)
+    if width is not None:
+        verify = width > 0
+        cap, max_pos = config.max_verify_width, config.max_position_embeddings
+        _flag(issues, "verify.width", "verify_widths", (width < 0) | (verify & (width != lengths)),
+              "verify_widths must be 0 (a prefill chunk) or the verify request's row count", request_of=request,
+              expected=lengths, actual=width)
+        _flag(issues, "verify.drafts", "verify_widths", verify & (width > cap),
+              f"a verify request holds its anchor and at most dspark_block_size={config.dspark_block_size} drafts",
+              request_of=request, expected=f"<= {cap}", actual=width)
+        _flag(issues, "verify.no_anchor", "positions", verify & (width == lengths) & (start <= 0),
+              "a verify request's anchor must follow at least one committed token (its first position >= 1)",
+              index_of=qsl[:-1].astype(np.int64), request_of=request, expected=">= 1", actual=start)
+        _flag(issues, "verify.position_limit", "verify_widths", verify & (start + width > max_pos),
+              f"a verify request's rows must stay below max_position_embeddings={max_pos}", request_of=request,
+              expected=f"<= {max_pos}", actual=start + width)
+        widest = int(np.where(verify & (width == lengths), width, 0).max(initial=0))
+        for pool, columns in ring_widths.items():
+            need = verify_headroom(config.layout.pools[pool], widest)
+            if columns < need:
+                issues.append(Issue(
+                    "verify.ring_headroom", TABLE_FIELDS[pool], f"ring table has {columns} columns, fewer than the "
+                    f"headroom of a {widest}-row verify request (reach {config.layout.pools[pool].reach} + {widest} "
+                    "positions): a rejected draft's row could alias a row the next step reads",
+                    expected=f">= {need}", actual=columns,
+                    fix=f"give {TABLE_FIELDS[pool]} at least {need} columns"))
+    if logit_mode is None:
+        return
+    mode = logit_mode.astype(np.int64)
+    allowed = np.where(width > 0, mode == 2, (mode == 0) | (mode == 1)) if width is not None else mode <= 1
+    _flag(issues, "logits.intent", "logit_mode", ~allowed | (mode < 0),
+          "logit_mode must be 2 (every row) for a verify request and 0 (none) or 1 (last row) for a prefill chunk",
+          request_of=request, expected=np.where(width > 0, 2, 1) if width is not None else "0 or 1", actual=mode)
+    if ((mode < 0) | (mode > 2)).any():
+        return
+    want = implied_logit_rows(qsl[:-1], qsl[1:], mode)
+    if logit_rows is None:
+        issues.append(Issue("logits.intent", "logit_rows", "logit_mode needs the logit_rows it implies",
+                            expected=want.size, actual="missing"))
+    elif logit_rows.shape != want.shape or not np.array_equal(logit_rows, want):
+        diff = np.flatnonzero(logit_rows[: want.size] != want[: logit_rows.size]) if logit_rows.size else []
+        first = int(diff[0]) if len(diff) else min(want.size, logit_rows.size)
+        issues.append(Issue("logits.intent", "logit_rows", "logit_rows must list, request after request, -1 for "
+                            "intent 0, the last row for intent 1 and every row for intent 2",
+                            index=first, expected=want.tolist() if want.size <= 16 else f"{want.size} entries",
+                            actual=logit_rows.tolist() if logit_rows.size <= 16 else f"{logit_rows.size} entries"))
 
 
 def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: int, n_rows: int,

@@ -124,7 +124,8 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     check_deep(issues, config=config, policy=policy, blocks=blocks, qsl=qsl, n_tokens=geometry[0],
                n_rows=geometry[1], positions=positions, tables={p: t for p, t in tables.items() if t is not None},
                slots={p: s for p, s in slots.items() if s is not None}, token_ids=token_ids,
-               logit_rows=logit_rows, hidden=hidden_arr)
+               logit_rows=logit_rows, hidden=hidden_arr, verify_widths=got["verify_widths"],
+               logit_mode=got["logit_mode"])
     return ValidationReport(tuple(issues))
 
 

@@ -207,6 +207,14 @@ TESTED_ELSEWHERE = {
                                   "test_int32_byte_offsets_name_the_first_overflowing_block"),
     "capability.table_depth": ("tests/abi/test_capabilities.py", "test_pypto_table_entries_in_fp32"),
     "capability.token_cap": ("tests/abi/test_capabilities.py", "test_upstream_token_cap_against_the_group_window"),
+    "verify.width": ("tests/abi/test_verify.py", "test_validator_verify_rules"),
+    "verify.drafts": ("tests/abi/test_verify.py", "test_a_step_without_drafts_is_a_verify_of_width_one_on_a_config_"
+                      "without_dspark"),
+    "verify.no_anchor": ("tests/abi/test_verify.py", "test_validator_refuses_a_verify_request_with_nothing_committed"),
+    "verify.position_limit": ("tests/abi/test_verify.py", "test_builder_refuses_drafts_past_the_position_limit"),
+    "verify.ring_headroom": ("tests/abi/test_verify.py", "test_validator_refuses_a_ring_narrower_than_the_headroom"),
+    "logits.intent": ("tests/abi/test_verify.py", "test_validator_verify_rules"),
+    "commit.accepted": ("tests/abi/test_verify.py", "test_commit_refuses_bad_accepted_counts_and_changes_nothing"),
 }
 
 

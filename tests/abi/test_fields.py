@@ -20,7 +20,7 @@ from dspark_abi.io import fixtures
 from dspark_abi.io.manifest import ABI_TENSORS, EXTRA_PREFIX, HIDDEN_TENSOR, OPTIONAL_TENSORS, REQUIRED_TENSORS
 from dspark_abi.io.schema import build_schema
 from dspark_abi.layout import POOL_NAMES
-from dspark_abi.presets import TINY
+from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_abi.ranks import LOCAL, REPLICATED, merge_rank_arrays, split_rank_arrays
 from dspark_abi.upstream import UPSTREAM_TENSORS, from_upstream, to_upstream
 
@@ -28,11 +28,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _batch(tp=2):
-    """A TP-2 batch carrying every optional field (request ids, token ids, logit rows) and padding rows."""
-    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), BlockAllocator(TINY, PoolBlocks.uniform(64)))
+    """A TP-2 batch carrying every optional field (request ids, token ids, logit rows, verify widths and output
+    intent: a verify request beside two prefill chunks) and padding rows."""
+    builder = BatchBuilder(TINY_DSPARK, PaddingPolicy(tp_size=tp),
+                           BlockAllocator(TINY_DSPARK, PoolBlocks.uniform(64)))
     rng = np.random.default_rng(0)
     for rid, (cached, new) in enumerate(((0, 5), (0, 4))):
         builder.add(100 + rid, num_cached=cached, num_new=new, token_ids=rng.integers(0, TINY.vocab_size, new))
+    builder.add_verify(102, num_cached=3, token_ids=[1, 2])
     batch = builder.build()
     assert batch.padded_rows > batch.num_tokens and batch.logit_rows is not None
     return batch
@@ -89,8 +92,8 @@ def test_the_validator_checks_each_fields_declared_dtype_and_presence(name):
     del arrays[name]
     report = validate(arrays, batch.config, batch.policy, batch.pool_blocks)
     assert ("array.missing" in report.codes) == spec.required
-    if not spec.required:
-        assert report.ok
+    if not spec.required:   # logit_mode's intent needs the logit rows and verify widths it describes
+        assert report.codes == ({"logits.intent"} if name in ("logit_rows", "verify_widths") else set()), str(report)
 
 
 @pytest.mark.parametrize("name", [f.name for f in BATCH_FIELDS if f.ndim == 1 and f.shape[0] in ("P", "R")])
@@ -133,7 +136,8 @@ def test_upstream_names_come_from_the_declaration():
         owner = next(f for f in BATCH_FIELDS if name in (f.upstream, f.upstream_local))
         assert tensors[name].dtype == dtype == np.dtype(owner.dtype)
     back = from_upstream(tensors, batch.config, batch.policy, batch.pool_blocks, request_ids=batch.request_ids)
-    assert back.to_arrays().keys() == batch.to_arrays().keys()
+    since_1_2 = {f.name for f in BATCH_FIELDS if f.since == "1.2"}    # upstream's prefill entry has no verify form
+    assert back.to_arrays().keys() == batch.to_arrays().keys() - since_1_2
 
 
 def test_manifest_and_schema_list_the_declared_tensors(tmp_path):
@@ -178,7 +182,7 @@ from pathlib import Path
 import numpy as np
 from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
 from dspark_abi.io import fixtures, schema, spec_table
-from dspark_abi.presets import TINY
+from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_abi.ranks import split_rank_arrays
 
 tmp = Path(sys.argv[1])

@@ -46,9 +46,10 @@ def test_real_flash_config_is_the_flash_preset_at_full_context(flash_hf):
 def test_real_dspark_config_carries_the_target_layers(dspark_hf, flash_hf):
     config = ModelConfig.from_hf_config(dspark_hf, name="flash-dspark")
     assert config.dspark_target_layers == (40, 41, 42)
+    assert config.dspark_block_size == 5 and config.max_verify_width == 6   # anchor + 5 drafts per verify request
     assert config.num_layers == 43 and len(dspark_hf["compress_ratios"]) == 46  # three draft stages dropped
     base = ModelConfig.from_hf_config(flash_hf, name="flash-dspark")
-    assert config.model_copy(update={"dspark_target_layers": ()}) == base  # nothing else differs
+    assert config.model_copy(update={"dspark_target_layers": (), "dspark_block_size": 0}) == base  # nothing else
 
 
 def test_target_layers_survive_a_json_round_trip_and_are_omitted_when_empty(dspark_hf, flash_hf):
@@ -58,6 +59,7 @@ def test_target_layers_survive_a_json_round_trip_and_are_omitted_when_empty(dspa
     # configs without a drafter serialise exactly as before the field existed (fixture headers unchanged)
     assert "dspark_target_layers" not in json.loads(ModelConfig.from_hf_config(flash_hf).model_dump_json())
     assert "dspark_target_layers" not in FLASH.model_dump()
+    assert "dspark_block_size" not in FLASH.model_dump() and "dspark_block_size" in config.model_dump()
 
 
 @pytest.mark.parametrize("bad", [[41, 40], [40, 40], [43], [-1, 5], "40", [40.5]])

@@ -1,0 +1,263 @@
+"""Verify requests (ABI 1.2): the builder's add_verify, output intent, commit with accepted counts, the validator's
+verify rules and the ring headroom of the rejection invariant. Every bad input gets its code and mutates nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import numpy as np
+import pytest
+
+from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks
+from dspark_abi.errors import ABIError
+from dspark_abi.layout import verify_headroom
+from dspark_abi.presets import FLASH_DSPARK, TINY, TINY_DSPARK
+from dspark_abi.requests import implied_logit_rows
+from dspark_abi.validation import validate_arrays
+
+CONFIG = TINY_DSPARK
+K = CONFIG.dspark_block_size
+
+
+def _builder(tp: int = 1, blocks: int = 256, config=CONFIG) -> BatchBuilder:
+    return BatchBuilder(config, PaddingPolicy(tp_size=tp), BlockAllocator(config, PoolBlocks.uniform(blocks)))
+
+
+def _prefilled(builder: BatchBuilder, lengths: dict[int, int]) -> None:
+    """Prefill and commit each request's prompt (token ids i % 97)."""
+    for rid, n in lengths.items():
+        builder.add(rid, num_cached=0, num_new=n, token_ids=[i % 97 for i in range(n)])
+    builder.commit(builder.build())
+
+
+def _snapshot(builder: BatchBuilder) -> tuple:
+    alloc = builder.allocator
+    return (dict(alloc._cached), {p: t.copy() for p, t in alloc._tables.items()}, dict(alloc._top),
+            len(builder._pending), set(builder._built))
+
+
+def test_presets_and_hf_config_carry_the_block_size():
+    assert FLASH_DSPARK.dspark_block_size == 5 and FLASH_DSPARK.max_verify_width == 6
+    assert TINY.dspark_block_size == 0 and TINY.max_verify_width == 1
+    hf = FLASH_DSPARK.to_hf_config()
+    assert hf["dspark_block_size"] == 5
+    assert "dspark_block_size" not in TINY.to_hf_config()
+    from dspark_abi.config import ModelConfig
+    assert ModelConfig.from_hf_config(hf, name=FLASH_DSPARK.name) == FLASH_DSPARK
+
+
+def test_mixed_step_of_verify_requests_and_prefill_chunks():
+    builder = _builder(tp=4)
+    _prefilled(builder, {0: 40, 1: 7})
+    builder.add_verify(0, num_cached=40, token_ids=[1, 2, 3, 4])            # anchor + 3 drafts = 1 + K
+    builder.add(2, num_cached=0, num_new=5, token_ids=[9] * 5, logits="none")   # an earlier chunk
+    builder.add_verify(1, num_cached=7, token_ids=[8])                       # the anchor alone
+    builder.add(3, num_cached=0, num_new=3, token_ids=[4, 5, 6])             # a final chunk
+    batch = builder.build()
+    req = batch.requests
+    assert batch.positions[:13].tolist() == [40, 41, 42, 43, 0, 1, 2, 3, 4, 7, 0, 1, 2]
+    assert req.verify_width.tolist() == [4, 0, 1, 0] and req.is_verify.tolist() == [True, False, True, False]
+    assert batch.verify_widths.tolist() == [4, 0, 1, 0] and batch.logit_mode.tolist() == [2, 0, 2, 1]
+    assert batch.logit_rows.tolist() == [0, 1, 2, 3, -1, 9, 12]
+    lo, hi = req.logit_row_ranges
+    assert lo.tolist() == [0, 9, 9, 12] and hi.tolist() == [4, 9, 10, 13]
+    assert req.logit_entries.tolist() == [0, 4, 5, 6, 7]
+    # the record derived from the arrays is the builder's
+    again = PackedBatch.from_arrays(batch.to_arrays(), CONFIG, batch.policy, batch.pool_blocks)
+    assert np.array_equal(again.requests.logit_mode, req.logit_mode)
+    assert np.array_equal(again.requests.verify_width, req.verify_width)
+    # the ring tables hold the headroom of the widest verify request
+    for pl in CONFIG.layout:
+        assert batch.tables[pl.name].shape[1] >= verify_headroom(pl, 4)
+
+
+def test_prefill_only_steps_stay_1_1_batches():
+    builder = _builder()
+    builder.add(0, num_cached=0, num_new=5)
+    batch = builder.build()
+    assert batch.verify_widths is None and batch.logit_mode is None
+    assert batch.logit_rows.tolist() == [4]
+    assert batch.requests.logit_mode.tolist() == [1] and batch.requests.verify_width.tolist() == [0]
+
+
+def test_commit_advances_by_the_accepted_counts_and_frees_nothing_read_later():
+    builder = _builder()
+    _prefilled(builder, {0: 70, 1: 10})
+    alloc = builder.allocator
+    builder.add_verify(0, num_cached=70, token_ids=[1, 2, 3, 4])
+    builder.add(1, num_cached=10, num_new=3, token_ids=[1, 2, 3])
+    batch = builder.build()
+    builder.commit(batch, accepted=[2, 3])
+    assert alloc.cached_tokens(0) == 72 and alloc.cached_tokens(1) == 13
+    # every page the committed end still reads and every page of the rejected rows (72, 73) stays mapped
+    tables = alloc.table_rows([0])
+    for pl in CONFIG.layout:
+        lo, hi = CONFIG.layout.read_range(pl.name, 72, 74)
+        pages = np.arange(lo // pl.page_size, (hi - 1) // pl.page_size + 1)
+        columns = pages % pl.ring_width if pl.is_ring else pages
+        assert (tables[pl.name][0, columns] >= 0).all(), pl.name
+    # the next step starts at the first rejected position and validates
+    builder.add_verify(0, num_cached=72, token_ids=[5, 6])
+    nxt = builder.build()
+    assert nxt.positions[:2].tolist() == [72, 73]
+    builder.commit(nxt, accepted=[1])
+    assert alloc.cached_tokens(0) == 73
+
+
+def test_a_step_without_drafts_is_a_verify_of_width_one_on_a_config_without_dspark():
+    builder = _builder(config=TINY)
+    _prefilled(builder, {0: 9})
+    builder.add_verify(0, num_cached=9, token_ids=[3])
+    batch = builder.build()
+    assert batch.verify_widths.tolist() == [1] and batch.logit_rows.tolist() == [0]
+    builder.add_verify(0, num_cached=9, token_ids=[3, 4])
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"verify.drafts"}
+
+
+@pytest.mark.parametrize(("token_ids", "cached", "code"), [
+    ([], 40, "verify.width"),
+    ([1] * (K + 2), 40, "verify.drafts"),
+    ([1, 2], 0, "verify.no_anchor"),
+    ([1, 2, 3], CONFIG.max_position_embeddings - 2, "verify.position_limit"),
+])
+def test_bad_verify_requests_are_coded_and_change_nothing(token_ids, cached, code):
+    builder = _builder(blocks=512)
+    _prefilled(builder, {0: 40})
+    builder.add_verify(0, num_cached=cached, token_ids=token_ids)
+    before = _snapshot(builder)
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert code in err.value.codes
+    assert _same(_snapshot(builder), before)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return (a[0] == b[0] and all(np.array_equal(a[1][p], b[1][p]) for p in a[1]) and a[2:] == b[2:])
+
+
+def test_builder_refuses_drafts_past_the_position_limit():
+    builder = _builder(blocks=512)
+    last = CONFIG.max_position_embeddings
+    builder.add_verify(0, num_cached=last - 2, token_ids=[1, 2])          # rows at the last two positions: fine
+    builder.build()
+    builder.add_verify(0, num_cached=last - 2, token_ids=[1, 2, 3])
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"verify.position_limit"}
+
+
+def test_verify_steps_need_the_intent_logits():
+    builder = _builder()
+    _prefilled(builder, {0: 40})
+    builder.add_verify(0, num_cached=40, token_ids=[1, 2])
+    with pytest.raises(ABIError) as err:
+        builder.build(logit_rows=None)
+    assert err.value.codes == {"builder.request"}
+    builder.add(1, num_cached=0, num_new=2, logits="every")   # type: ignore[arg-type]
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert "builder.request" in err.value.codes
+
+
+@pytest.mark.parametrize("accepted", [[5, 3], [0, 3], [2, 2], [2], "x", [2.0, 3]])
+def test_commit_refuses_bad_accepted_counts_and_changes_nothing(accepted):
+    builder = _builder()
+    _prefilled(builder, {0: 40, 1: 4})
+    builder.add_verify(0, num_cached=40, token_ids=[1, 2, 3, 4])
+    builder.add(1, num_cached=4, num_new=3, token_ids=[1, 2, 3])
+    batch = builder.build()
+    before = _snapshot(builder)
+    with pytest.raises(ABIError) as err:
+        builder.commit(batch, accepted=accepted)
+    assert err.value.codes == {"commit.accepted"}
+    assert _same(_snapshot(builder), before)
+    builder.commit(batch, accepted=[4, 3])        # still committable once, then never again
+    with pytest.raises(ABIError) as err:
+        builder.commit(batch, accepted=[4, 3])
+    assert err.value.codes == {"alloc.stale_plan"}
+
+
+def test_stale_and_foreign_batches_are_refused():
+    builder, other = _builder(), _builder()
+    _prefilled(builder, {0: 40})
+    _prefilled(other, {0: 40})
+    builder.add_verify(0, num_cached=40, token_ids=[1, 2])
+    batch = builder.build()
+    with pytest.raises(ABIError) as err:
+        other.commit(batch, accepted=[1])
+    assert err.value.codes == {"alloc.stale_plan"}
+    builder.add_verify(0, num_cached=40, token_ids=[1, 2, 3])
+    newer = builder.build()
+    builder.commit(newer, accepted=[3])
+    before = _snapshot(builder)
+    with pytest.raises(ABIError) as err:               # overtaken by the commit of another build of the step
+        builder.commit(batch, accepted=[1])
+    assert err.value.codes == {"alloc.stale_plan"}
+    assert _same(_snapshot(builder), before)
+
+
+# ------------------------------------------------------------------------------------------------ validator rules
+def _verify_batch(start: int = 48, width: int = 4) -> PackedBatch:
+    builder = _builder()
+    _prefilled(builder, {0: start})
+    builder.add_verify(0, num_cached=start, token_ids=list(range(1, width + 1)))
+    return builder.build()
+
+
+def _codes(arrays: dict, config=CONFIG) -> set[str]:
+    batch = _verify_batch()
+    return validate_arrays(arrays, config, batch.policy, batch.pool_blocks).codes
+
+
+def test_validator_verify_rules():
+    batch = _verify_batch()
+    a = batch.to_arrays()
+    assert _codes(a) == set()
+    assert _codes(a | {"verify_widths": np.array([3], np.int32)}) == {"verify.width", "logits.intent"} - {
+        "logits.intent"} or _codes(a | {"verify_widths": np.array([3], np.int32)}) >= {"verify.width"}
+    assert _codes(a | {"verify_widths": np.array([-1], np.int32)}) >= {"verify.width"}
+    assert _codes(a, config=TINY) == {"verify.drafts"}
+    assert _codes(a | {"logit_mode": np.array([1], np.int8)}) == {"logits.intent"}   # a verify request: 2
+    assert _codes(a | {"logit_mode": np.array([3], np.int8)}) == {"logits.intent"}
+    assert _codes(a | {"logit_rows": np.array([0, 1, 2], np.int32)}) == {"logits.intent"}
+    assert _codes({k: v for k, v in a.items() if k != "logit_rows"}) == {"logits.intent"}
+
+
+def test_validator_refuses_a_verify_request_with_nothing_committed():
+    builder = BatchBuilder(CONFIG, PaddingPolicy(), BlockAllocator(CONFIG, PoolBlocks.uniform(256)),
+                           ring_width="fixed")            # full ring tables: only the anchor rule is broken
+    builder.add(0, num_cached=0, num_new=3, token_ids=[1, 2, 3])
+    a = builder.build().to_arrays()
+    a |= {"verify_widths": np.array([3], np.int32), "logit_mode": np.array([2], np.int8),
+          "logit_rows": np.array([0, 1, 2], np.int32)}
+    assert _codes(a) == {"verify.no_anchor"}
+
+
+def test_validator_refuses_a_ring_narrower_than_the_headroom():
+    batch = _verify_batch(start=48, width=4)            # ori live range [33, 52): one page; headroom 2 pages
+    ori = batch.tables.ori
+    need = verify_headroom(CONFIG.layout.pools["ori"], 4)
+    assert ori.shape[1] >= need == 2
+    narrow = np.ascontiguousarray(ori[:, 1:2])             # page 1 sits in column 1 % 1 = 0
+    a = batch.to_arrays() | {"ori_block_table": narrow}
+    assert _codes(a) == {"verify.ring_headroom"}
+    # without verify_widths (a 1.1 batch) the same table is valid
+    plain = {k: v for k, v in a.items() if k not in ("verify_widths", "logit_mode")}
+    plain["logit_rows"] = np.array([3], np.int32)
+    assert _codes(plain) == set()
+
+
+def test_implied_logit_rows_is_the_one_rule():
+    start, end = np.array([0, 3, 3, 5]), np.array([3, 3, 5, 9])
+    assert implied_logit_rows(start, end, np.array([2, 1, 0, 1])).tolist() == [0, 1, 2, -1, -1, 8]
+    assert implied_logit_rows(start, end, np.array([0, 2, 2, 2])).tolist() == [-1, -1, 3, 4, 5, 6, 7, 8]
+
+
+def test_evolving_a_batch_rederives_its_record():
+    batch = _verify_batch()
+    plain = attrs.evolve(batch, verify_widths=None, logit_mode=None, logit_rows=np.array([3], np.int32))
+    assert plain.requests.verify_width.tolist() == [0] and plain.requests.logit_mode.tolist() == [1]
+    assert copy.copy(batch).requests.verify_width.tolist() == [4]
