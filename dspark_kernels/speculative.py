@@ -301,14 +301,14 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
         for i in pre:
             final = fed[i] + chunks[i] == tokens[i].size
             builder.add(i, num_cached=done[i], num_new=chunks[i], token_ids=tokens[i][fed[i]: fed[i] + chunks[i]],
-                        logits="last" if final else "none")  # type: ignore[call-arg]
+                        logits="last" if final else "none")
         room = [min(K, max_new_tokens - len(generated[i]) - 1, limit - done[i] - 1) for i in live]
         context = [np.concatenate([tokens[i], np.asarray(generated[i], np.int64)]) for i in live]
         drafts = drafter.propose(live, context, room) if live else []
         verify_inputs = [np.concatenate([[generated[i][-1]], np.asarray(d, np.int64).reshape(-1)[:k]])
                          for i, d, k in zip(live, drafts, room, strict=True)]
         for i, ids in zip(live, verify_inputs, strict=True):
-            builder.add_verify(i, num_cached=done[i], token_ids=ids)  # type: ignore[attr-defined]
+            builder.add_verify(i, num_cached=done[i], token_ids=ids)
         batch = builder.build()
         out = runner.forward(batch)
         logit_rows, sampled, features = out.logit_rows, out.sampled, out.target_hidden
@@ -319,7 +319,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
         outcome = _accept(verify_inputs, width, sampled, logit_rows, v_starts, batch.padded_rows)
         accepted = np.array([chunks.get(int(r), 0) for r in batch.requests.ids], np.int64)
         accepted[[order[i] for i in live]] = outcome.accepted
-        builder.commit(batch, accepted=accepted)  # type: ignore[call-arg]
+        builder.commit(batch, accepted=accepted)
         # results: the final prefill chunks sample the first generated token; verify requests keep their prefix
         last_row = {int(r): k for k, r in enumerate(logit_rows) if r >= 0}
         for i in pre:
