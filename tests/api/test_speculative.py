@@ -107,27 +107,9 @@ class Planter:
 
 
 def readable_rows(config, alloc: BlockAllocator, caches: ModelCaches, lengths: dict[int, int]):
-    """{(layer, array name): [rows, ...]} of the cache rows a next step of each request (cached length c) can
-    read, in logical order: per-token pools their reach before c (ori: the window), compressed pools every entry
-    complete before c."""
-    ids = list(lengths)
-    tables = alloc.table_rows(ids)
-    out = {}
-    for li, layer in enumerate(caches.layers):
-        for name, array in layer.arrays().items():
-            pool = "idx" if name == "idx_scale" else name
-            pl = config.layout.pools[pool]
-            parts = []
-            for k, rid in enumerate(ids):
-                c = lengths[rid]
-                lo = max(0, c - pl.reach) if pl.is_ring else 0
-                hi = c // pl.ratio if pl.ratio else c
-                rows = physical_rows(tables[pool], np.full(hi - lo, k), np.arange(lo, hi), pl.page_size,
-                                     ring=pl.is_ring)
-                assert (rows >= 0).all(), (pool, rid)
-                parts.append(array[rows])
-            out[(li, name)] = np.concatenate(parts)
-    return out
+    """{(layer, array name): values} of the cache rows of :func:`readable_rows_index`, in logical order."""
+    return {(li, name): caches.layers[li].arrays()[name][rows]
+            for (li, name), rows in readable_rows_index(config, alloc, caches, lengths).items()}
 
 
 def one_shot(weights: ModelWeights, result) -> tuple[BlockAllocator, ModelCaches, dict[int, int]]:
@@ -229,8 +211,7 @@ def test_garbage_in_a_committed_row_is_caught(weights):
 # ---------------------------------------------------------------------------------------------- deep positions
 #: TINY heads at the real 1,048,576-position depth, with DSpark target layers (so verify steps have drafts)
 DEEP = TINY_1M.model_copy(update={"name": "tiny-1m-dspark", "dspark_target_layers": CFG.dspark_target_layers,
-                                  **({"dspark_block_size": K} if "dspark_block_size" in type(CFG).model_fields
-                                     else {})})
+                                  "dspark_block_size": K})
 #: cached contexts beyond a turn of every ring (ori 8,256 positions, ratio-4 state rings 8,202): request 0's first
 #: verify step drafts position 9,087, which completes HCA entry 70 (ratio 128), request 1's cross ratio-4 entries
 DEEP_CONTEXTS = {0: 9_085, 1: 20_003}
@@ -258,7 +239,9 @@ def planted_history() -> tuple[BlockAllocator, ModelCaches]:
 
 
 def readable_rows_index(config, alloc: BlockAllocator, caches: ModelCaches, lengths: dict[int, int]):
-    """{(layer, array name): physical rows} of :func:`readable_rows`."""
+    """{(layer, array name): physical rows} a next step of each request (cached length c) can read, in logical
+    order: per-token pools their reach before c (ori: the window), compressed pools every entry complete before c.
+    Rows beyond those (what rejected drafts wrote at positions >= c) are left out: the next step rewrites them."""
     ids = list(lengths)
     tables = alloc.table_rows(ids)
     out = {}
