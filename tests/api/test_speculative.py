@@ -321,3 +321,41 @@ def test_verify_results_carry_the_accepted_rows_features(weights):
     assert verified and all(v.target_hidden.shape == (v.accepted, 3 * CFG.hidden_size) for v in verified)
     assert all(v.accepted == 1 + v.accepted_tokens.size for v in verified)
     assert any(v.accepted < v.width for v in verified)          # some drafts were rejected
+
+
+@pytest.mark.parametrize("tp,mode", [(1, "single"), (2, "threads")])
+def test_verify_step_has_logits_at_every_row(weights, tp, mode):
+    """A verify step of R requests x (1 + K) rows runs the same stages as a prefill chunk of the same tokens at
+    the same positions: R (1 + K) logit rows, bit-identical to that chunk's logits at every row."""
+    from dspark_kernels.model.tp import run_tp_inprocess
+
+    def forward(batch, caches):
+        if mode == "single":
+            return prefill(batch, batch.token_ids, weights, caches)
+        return run_tp_inprocess(batch, batch.token_ids, weights, caches)[0].result
+
+    ps = prompts()
+    alloc = BlockAllocator(CFG, pool_blocks_for(CFG, [p.size + K + 1 for p in ps], slack=8))
+    caches = ModelCaches.allocate(CFG, alloc.pool_blocks)
+    builder = BatchBuilder(CFG, PaddingPolicy(tp_size=tp), alloc)
+    for i, p in enumerate(ps):
+        builder.add(i, num_cached=0, num_new=p.size - 1, token_ids=p[:-1])
+    batch = builder.build()
+    forward(batch, caches)
+    builder.commit(batch)
+    rng = np.random.default_rng(9)
+    rows = [np.concatenate([p[-1:], rng.integers(0, CFG.vocab_size, K)]) for p in ps]
+    chunk_alloc, chunk_caches = copy.deepcopy(alloc), caches.copy()
+    for i, (p, r) in enumerate(zip(ps, rows, strict=True)):
+        builder.add_verify(i, num_cached=p.size - 1, token_ids=r)
+    verify = builder.build()
+    chunk_builder = BatchBuilder(CFG, PaddingPolicy(tp_size=tp), chunk_alloc)
+    for i, (p, r) in enumerate(zip(ps, rows, strict=True)):
+        chunk_builder.add(i, num_cached=p.size - 1, num_new=r.size, token_ids=r)
+    chunk = chunk_builder.build(logit_rows=list(range(len(ps) * (K + 1))))
+    got, want = forward(verify, caches), forward(chunk, chunk_caches)
+    assert got.logits.shape == (len(ps) * (1 + K), CFG.vocab_size)
+    assert sorted(got.logit_rows.tolist()) == list(range(len(ps) * (1 + K)))
+    order = np.argsort(got.logit_rows)
+    np.testing.assert_array_equal(got.logits[order], want.logits[np.argsort(want.logit_rows)])
+    np.testing.assert_array_equal(got.sampled[order], np.argmax(got.logits[order], axis=-1))
