@@ -246,6 +246,16 @@ def _runner(config: ModelConfig, weights: ModelWeights, caches: ModelCaches | No
     return _Runner(weights, caches, tp_mode, backend, precision), allocator
 
 
+def _check_counts(values: Mapping[str, tuple[object, int]]) -> None:
+    """``config.invalid`` for every argument that is not an int of at least its minimum (before any work)."""
+    issues = [Issue("config.invalid", name, f"{name} must be an integer >= {low}", expected=f">= {low}",
+                    actual=repr(value))
+              for name, (value, low) in values.items()
+              if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low]
+    if issues:
+        raise ABIError(issues)
+
+
 def _prompts(prompts: Sequence[Sequence[int] | np.ndarray], cached: Sequence[int] | None, vocab: int
              ) -> tuple[list[np.ndarray], list[int]]:
     arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
@@ -282,6 +292,12 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     on_step(record, caches) runs after each commit (tests plant garbage in rejected rows there).
     """
     cfg = weights.config
+    _check_counts({"max_new_tokens": (max_new_tokens, 1), "K": (K, 0), "prefill_chunk": (prefill_chunk, 1),
+                   "tp": (tp, 1)})
+    if isinstance(K, int) and K > cfg.dspark_block_size:   # refused up front, not at the first step with drafts
+        raise ABIError([Issue("verify.drafts", "K", "more drafts per verify request than the config's "
+                              "dspark_block_size", expected=f"<= {cfg.dspark_block_size}", actual=K,
+                              fix=f"verify at most K = {cfg.dspark_block_size} drafts per step")])
     tokens, done = _prompts(prompts, cached, cfg.vocab_size)
     runner, alloc = _runner(cfg, weights, caches, allocator, [t.size + max_new_tokens + K + 1 for t in tokens],
                             tp_mode, backend, precision, slack)
@@ -367,6 +383,7 @@ def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelW
     generated token's top-2 logit margin (``margins``), which says where an fp32 summation-order difference
     could flip a greedy choice."""
     cfg = weights.config
+    _check_counts({"max_new_tokens": (max_new_tokens, 1), "tp": (tp, 1)})
     tokens, done = _prompts(prompts, cached, cfg.vocab_size)
     runner, alloc = _runner(cfg, weights, caches, allocator, [t.size + max_new_tokens for t in tokens],
                             tp_mode, backend, precision, slack)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tolerances import assert_close, forward_reductions, order_atol
 
-from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.layout import physical_rows
 from dspark_abi.presets import TINY_1M, TINY_DSPARK
@@ -359,3 +359,28 @@ def test_verify_step_has_logits_at_every_row(weights, tp, mode):
     order = np.argsort(got.logit_rows)
     np.testing.assert_array_equal(got.logits[order], want.logits[np.argsort(want.logit_rows)])
     np.testing.assert_array_equal(got.sampled[order], np.argmax(got.logits[order], axis=-1))
+
+
+@pytest.mark.parametrize("bad", ["K", "max_new_tokens", "chunk", "prompt_range", "empty_prompt", "tp_mode",
+                                 "too_many_drafts"])
+def test_bad_arguments_are_coded_and_touch_nothing(weights, bad):
+    alloc = BlockAllocator(CFG, pool_blocks_for(CFG, [64], slack=8))
+    caches = ModelCaches.allocate(CFG, alloc.pool_blocks)
+    before = {k: v.copy() for k, v in caches.arrays().items()}
+    args = {"prompts": [np.arange(5)], "max_new_tokens": 4, "K": K, "prefill_chunk": 4, "tp_mode": "single"}
+    args.update({"K": {"K": -1, "too_many_drafts": K + 1}.get(bad, K), "max_new_tokens": 0 if bad == "max_new_tokens"
+                 else 4, "prefill_chunk": 0 if bad == "chunk" else 4, "tp_mode": "fibers" if bad == "tp_mode" else
+                 "single"})
+    if bad == "prompt_range":
+        args["prompts"] = [np.array([1, CFG.vocab_size])]
+    if bad == "empty_prompt":
+        args["prompts"] = [np.arange(0)]
+    prompts_ = args.pop("prompts")
+    with pytest.raises(ABIError) as err:
+        generate(prompts_, weights, RandomDrafter(CFG.vocab_size), allocator=alloc, caches=caches, **args)
+    assert err.value.issues
+    assert alloc.knows(0) is False    # refused before the first step
+    if bad == "too_many_drafts":
+        assert err.value.codes == {"verify.drafts"}
+    for k, v in before.items():
+        np.testing.assert_array_equal(caches.arrays()[k], v)
