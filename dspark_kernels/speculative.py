@@ -294,7 +294,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     cfg = weights.config
     _check_counts({"max_new_tokens": (max_new_tokens, 1), "K": (K, 0), "prefill_chunk": (prefill_chunk, 1),
                    "tp": (tp, 1)})
-    if isinstance(K, int) and K > cfg.dspark_block_size:   # refused up front, not at the first step with drafts
+    if isinstance(K, int) and cfg.dspark_block_size < K:   # refused up front, not at the first step with drafts
         raise ABIError([Issue("verify.drafts", "K", "more drafts per verify request than the config's "
                               "dspark_block_size", expected=f"<= {cfg.dspark_block_size}", actual=K,
                               fix=f"verify at most K = {cfg.dspark_block_size} drafts per step")])
