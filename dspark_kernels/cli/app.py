@@ -156,8 +156,8 @@ def _plan(config: ModelConfig, allocator: BlockAllocator, requests: Sequence[tup
     for rid, (_, cached) in enumerate(requests):
         for lo in range(0, cached, context.policy.token_cap):
             hi = min(cached, lo + context.policy.token_cap)
-            context.add(rid, num_cached=lo, num_new=hi - lo, token_ids=prompts[rid][lo:hi])
-            chunk = context.build(logit_rows=None)
+            context.add(rid, num_cached=lo, num_new=hi - lo, token_ids=prompts[rid][lo:hi], logits="none")
+            chunk = context.build()                          # an earlier chunk: no logits
             context.commit(chunk)
             chunks.append((rid, chunk))
     builder = BatchBuilder(config, PaddingPolicy(tp_size=tp), allocator)
