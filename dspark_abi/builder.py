@@ -286,7 +286,7 @@ class BatchBuilder:
         row count, or for a verify request its accepted count 1..width (the anchor is a real token, always kept).
         A request advances by exactly that many positions. Nothing a later step reads is freed: the pages mapped
         for rejected drafts stay mapped and the request's next step rewrites their rows before any query reads
-        them (spec section 13.3).
+        them (spec section 5.8.3).
 
         Raises ``commit.accepted`` for malformed counts and ``alloc.stale_plan`` for a batch this builder did not
         build, one committed already, or one another commit or release on the allocator overtook (build the step

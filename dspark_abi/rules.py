@@ -127,7 +127,7 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
 def check_verify(issues: list[Issue], *, config: ModelConfig, qsl: np.ndarray, start: np.ndarray,
                  logit_rows: np.ndarray | None, verify_widths: np.ndarray | None, logit_mode: np.ndarray | None,
                  ring_widths: Mapping[PoolName, int]) -> None:
-    """The rules of verify requests and output intent (spec 1.2, section 13), O(R + G).
+    """The rules of verify requests and output intent (spec 1.2, section 5.8), O(R + G).
 
     verify_widths [R] int32: 0 = prefill chunk, w = verify request of its w rows, 1 <= w <= 1 + K, starting after
     at least one committed token, within the position limit; every ring table at least as wide as the headroom of
