@@ -498,8 +498,8 @@ class BatchBuilder:
              lambda i: f"<= {chunk_cap}", lambda i: int(new[i]),
              lambda i: f"split the request into chunks of at most {chunk_cap} tokens over several steps")
         if not self.policy.allow_empty_requests:
-            each(exact & ~verify & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy", lambda i: "> 0",
-                 lambda i: 0, lambda i: "drop the request from this step or set "
+            each(exact & ~verify & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy",
+                 lambda i: "> 0", lambda i: 0, lambda i: "drop the request from this step or set "
                                         "PaddingPolicy(allow_empty_requests=True)")
         have = self.allocator.cached_tokens_of(ids.tolist())      # -1 for a request the allocator does not know
         each(exact & (have >= 0) & (cached != have), "num_cached",
@@ -571,9 +571,9 @@ class BatchBuilder:
         if step.token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = step.token_ids
-        rows = logit_rows
-        if isinstance(logit_rows, str):          # 'last': what each request's intent implies
-            rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode)
+        # 'last' (a str): the rows each request's intent implies
+        rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode) \
+            if isinstance(logit_rows, str) else logit_rows
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
         if intent:
             arrays |= {"verify_widths": requests.verify_width, "logit_mode": requests.logit_mode}

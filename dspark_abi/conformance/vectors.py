@@ -211,9 +211,9 @@ def valid_vectors() -> Iterator[Vector]:
     yield from verify_vectors()
 
 
-#: One request of a verify step: ("verify", request id, num_cached, width) or ("chunk", id, num_cached, num_new,
+#: One request of a verify step: ("verify", request id, num_cached, width, "") or ("chunk", id, num_cached, num_new,
 #: logits) with logits "last" or "none".
-VerifyEntry = tuple[object, ...]
+VerifyEntry = tuple[str, int, int, int, str]
 
 
 def build_verify(config: ModelConfig, policy: PaddingPolicy, prompts: dict[int, int], step: list[VerifyEntry],
@@ -226,13 +226,12 @@ def build_verify(config: ModelConfig, policy: PaddingPolicy, prompts: dict[int, 
         builder.add(rid, 0, n, _token_ids(rid, 0, n, config.vocab_size))
     if prompts:
         builder.commit(builder.build())
-    for entry in step:
-        kind, rid, cached, count = entry[:4]
-        ids = _token_ids(int(rid), int(cached), int(count), config.vocab_size)     # type: ignore[call-overload]
+    for kind, rid, cached, count, logits in step:
+        ids = _token_ids(rid, cached, count, config.vocab_size)
         if kind == "verify":
-            builder.add_verify(int(rid), int(cached), ids)                         # type: ignore[call-overload]
+            builder.add_verify(rid, cached, ids)
         else:
-            builder.add(int(rid), int(cached), int(count), ids, logits=entry[4])   # type: ignore[call-overload,arg-type]
+            builder.add(rid, cached, count, ids, logits="none" if logits == "none" else "last")
     return builder.build()
 
 
@@ -243,18 +242,18 @@ def verify_vectors() -> Iterator[Vector]:
                  "drafts), an earlier prefill chunk of 5 rows without logits, a verify request of 1 row (no drafts) at "
                  "7 and a final chunk of 3 rows: logit_rows = every verify row, -1, the last row.",
                  build_verify(TINY_DSPARK, tp(tp_size=2), {0: 40, 1: 7},
-                              [("verify", 0, 40, 4), ("chunk", 2, 0, 5, "none"), ("verify", 1, 7, 1),
+                              [("verify", 0, 40, 4, ""), ("chunk", 2, 0, 5, "none"), ("verify", 1, 7, 1, ""),
                                ("chunk", 3, 0, 3, "last")]))
     yield _valid("verify_split_tp4", "TINY_DSPARK, TP 4 (L = 2): a 3-row chunk, then a 4-row verify request at "
                  "rows 3..6, cut by the rank boundaries at rows 4 and 6 (ranks 1, 2 and 3 each hold part of it).",
                  build_verify(TINY_DSPARK, tp(tp_size=4), {1: 20}, [("chunk", 0, 0, 3, "last"),
-                                                                    ("verify", 1, 20, 4)]))
+                                                                    ("verify", 1, 20, 4, "")]))
     yield _valid("verify_page_aligned", "TINY_DSPARK, TP 1: a 4-row verify request at 48: its ori live range "
                  "[33, 52) is one page, its headroom two (reach 15 + 4 positions): the ring table has two columns.",
-                 build_verify(TINY_DSPARK, tp(), {0: 48}, [("verify", 0, 48, 4)]))
+                 build_verify(TINY_DSPARK, tp(), {0: 48}, [("verify", 0, 48, 4, "")]))
     yield _valid("verify_near_max_position", "TINY_DSPARK, TP 1: a 3-row verify request whose last draft sits at "
                  "max_position_embeddings - 1 = 4095.",
-                 build_verify(TINY_DSPARK, tp(), {0: 4093}, [("verify", 0, 4093, 3)], DEEP_POOLS))
+                 build_verify(TINY_DSPARK, tp(), {0: 4093}, [("verify", 0, 4093, 3, "")], DEEP_POOLS))
 
 
 def verify_invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
