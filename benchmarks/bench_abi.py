@@ -5,6 +5,9 @@
 
 Scenario "1m": FLASH at 1,048,576 positions, N = 8192 new tokens over R = 64 continuing requests (ragged chunks,
 ragged cached contexts up to 1M), TP = 4. Scenario "16k": FLASH_16K, N = 8192 over R = 512 requests.
+Scenario "verify": FLASH-DSpark with K = 7 drafts (upstream's S = 8 lanes), R = 256 verify requests of 8 rows at
+ragged contexts up to 1M, TP = 4, alone and with 64 prefill rows of another request mixed in: build + validation +
+commit (with ragged accepted counts), beside the same step built as a 2048-token prefill.
 A "build" figure is one whole step of the serving loop's metadata: build (plan, assemble, validate) plus the
 commit that advances the allocator after the forward. Every figure is a median of repeated runs in this one
 process, printed beside the memory-bandwidth floor of the bytes it must write (those bytes / a large np.copyto's
@@ -28,7 +31,7 @@ from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.incremental import StepValidator
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.lowering import lower_local_request_ids, nested_scan_local_request_ids
-from dspark_abi.presets import FLASH, FLASH_16K
+from dspark_abi.presets import FLASH, FLASH_16K, FLASH_DSPARK
 
 
 def median_seconds(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
@@ -142,6 +145,73 @@ def scenario(name: str, config: ModelConfig, n_tokens: int, n_requests: int, tp:
           f" ({t_nested / t_fast:.1f}x)")
 
 
+class VerifyStep:
+    """R verify requests of ``width`` rows each at ragged contexts (their history mapped and committed by an earlier
+    one-token step), optionally with a prefill chunk of ``mixed`` rows of another request in the same dispatch."""
+
+    def __init__(self, config: ModelConfig, n_requests: int, width: int, mixed: int, tp: int, seed: int = 1):
+        rng = np.random.default_rng(seed)
+        self.config, self.policy, self.width, self.mixed = config, PaddingPolicy(tp_size=tp), width, mixed
+        self.cached = rng.integers(2, config.max_position_embeddings - width, n_requests)
+        self.accepted = rng.integers(1, width + 1, n_requests)          # ragged acceptance, as a real step has
+        self.tokens = rng.integers(0, config.vocab_size, (n_requests, width))
+        self.prefill_at = int(rng.integers(0, config.max_position_embeddings - mixed))
+        ends = np.concatenate([self.cached + width, [self.prefill_at + mixed]])
+        blocks = pool_blocks_for(config, ends, slack=64)
+        self.allocator = BlockAllocator(config, blocks, capacity=n_requests + 1)
+        warm = BatchBuilder(config, self.policy, self.allocator)
+        warm.add_many(np.arange(n_requests), self.cached - 1, np.ones(n_requests, np.int64))
+        warm.add(n_requests, num_cached=max(0, self.prefill_at - 1), num_new=1)
+        batch = warm.build()
+        warm.commit(batch)
+        self.warm = batch
+
+    def fresh(self) -> tuple[BlockAllocator, StepValidator]:
+        validator = StepValidator(self.config, self.policy, self.allocator.pool_blocks)
+        if not validator.validate(self.warm).ok:
+            raise SystemExit("the warm-up step is invalid")
+        return copy.deepcopy(self.allocator), validator
+
+    def build(self, allocator: BlockAllocator, validator: StepValidator | None = None, *,
+              as_prefill: bool = False) -> Any:
+        builder = BatchBuilder(self.config, self.policy, allocator, validator=validator)
+        r = self.cached.size
+        if as_prefill:                              # the same rows as plain prefill chunks (logits at the last row)
+            builder.add_many(np.arange(r), self.cached, np.full(r, self.width), self.tokens.reshape(-1))
+        else:                                       # one add_verify() per request: anchor + width - 1 drafts
+            for rid, (ctx, ids) in enumerate(zip(self.cached.tolist(), self.tokens, strict=True)):
+                builder.add_verify(rid, ctx, ids)
+        if self.mixed:
+            builder.add(r, num_cached=self.prefill_at, num_new=self.mixed,
+                        token_ids=np.zeros(self.mixed, np.int64), logits="none")
+        batch = builder.build()
+        accepted = None if as_prefill else np.concatenate([self.accepted, [self.mixed] * bool(self.mixed)])
+        accepted = None if accepted is None else accepted.astype(np.int64)
+        builder.commit(batch, accepted=accepted)    # a step is build + validation + commit (after its forward)
+        return batch
+
+
+def verify_scenario(config: ModelConfig, n_requests: int, width: int, mixed: int, tp: int, repeat: int, bw: float
+                    ) -> None:
+    step = VerifyStep(config, n_requests, width, mixed, tp)
+    batch = step.build(*step.fresh())
+    meta = sum(a.nbytes for a in batch.to_arrays().values())
+    print(f"verify{' + prefill' if mixed else ''}: {config.name} (K = {config.dspark_block_size})  "
+          f"R={n_requests} x {width} rows{f' + {mixed} prefill rows' if mixed else ''}  N={batch.num_tokens}  "
+          f"TP={tp}  contexts up to {int(step.cached.max()):,}  metadata {meta / 2**20:.2f} MiB per step")
+    print(f"  table widths { {p: batch.tables[p].shape[1] for p in POOL_NAMES} }")
+    if not validate(batch).ok:
+        raise SystemExit("the measured verify step is invalid")
+    row("build, incremental validation, commit", median_seconds(lambda st: step.build(st[0], st[1]), repeat,
+                                                                step.fresh), meta, bw)
+    row("build, full validation, commit", median_seconds(lambda st: step.build(st[0]), repeat, step.fresh), meta, bw)
+    plain = step.build(step.fresh()[0], as_prefill=True)
+    plain_meta = sum(a.nbytes for a in plain.to_arrays().values())
+    row(f"the same rows as a {plain.num_tokens}-token prefill, full", median_seconds(
+        lambda st: step.build(st[0], as_prefill=True), repeat, step.fresh), plain_meta, bw)
+    row("validate, full (stateless)", median_seconds(lambda: validate(batch), repeat), meta, bw, "(reads)")
+
+
 def allocator_construction(config: ModelConfig, requests: int, repeat: int, bw: float) -> None:
     blocks = pool_blocks_for(config, [config.max_position_embeddings] * requests)
     probe = BlockAllocator(config, blocks, capacity=requests)
@@ -175,17 +245,22 @@ def held_blocks(config: ModelConfig, chunk: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 repeats instead of 15")
-    ap.add_argument("--scenario", choices=["1m", "16k", "both"], default="both")
+    ap.add_argument("--scenario", choices=["1m", "16k", "verify", "both", "all"], default="all",
+                    help="both = 1m and 16k; all = 1m, 16k and verify")
     args = ap.parse_args()
     repeat = 3 if args.quick else 15
     bw = bandwidth()
     print(f"memory bandwidth (np.copyto of 256 MiB): {bw / 1e9:.1f} GB/s")
-    if args.scenario in ("1m", "both"):
+    if args.scenario in ("1m", "both", "all"):
         scenario("1m", FLASH, 8192, 64, 4, repeat, bw)
         allocator_construction(FLASH, 256, repeat, bw)
         held_blocks(FLASH, 8192)
-    if args.scenario in ("16k", "both"):
+    if args.scenario in ("16k", "both", "all"):
         scenario("16k", FLASH_16K, 8192, 512, 4, repeat, bw)
+    if args.scenario in ("verify", "all"):
+        k7 = FLASH_DSPARK.model_copy(update={"name": "flash-dspark-k7", "dspark_block_size": 7})   # S = 8 lanes
+        for mixed in (0, 64):
+            verify_scenario(k7, 256, 8, mixed, 4, repeat, bw)
 
 
 if __name__ == "__main__":

@@ -218,7 +218,8 @@ class RankView:
 
 @attrs.frozen(eq=True)
 class PackedBatch(BatchGeometry):
-    """The whole metadata of one packed call (prefill chunks and verify requests) of one TP group. Constructing one validates it.
+    """The whole metadata of one packed call (prefill chunks and verify requests) of one TP group. Constructing one
+    validates it.
 
     Build with :class:`dspark_abi.BatchBuilder` (serving code) or directly from arrays; any violation
     raises :class:`ABIError` listing every issue. Read-only; change with ``attrs.evolve`` (re-validates).

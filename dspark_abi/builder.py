@@ -286,7 +286,7 @@ class BatchBuilder:
         row count, or for a verify request its accepted count 1..width (the anchor is a real token, always kept).
         A request advances by exactly that many positions. Nothing a later step reads is freed: the pages mapped
         for rejected drafts stay mapped and the request's next step rewrites their rows before any query reads
-        them (spec section 13.3).
+        them (spec section 5.8.3).
 
         Raises ``commit.accepted`` for malformed counts and ``alloc.stale_plan`` for a batch this builder did not
         build, one committed already, or one another commit or release on the allocator overtook (build the step
@@ -498,8 +498,8 @@ class BatchBuilder:
              lambda i: f"<= {chunk_cap}", lambda i: int(new[i]),
              lambda i: f"split the request into chunks of at most {chunk_cap} tokens over several steps")
         if not self.policy.allow_empty_requests:
-            each(exact & ~verify & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy", lambda i: "> 0",
-                 lambda i: 0, lambda i: "drop the request from this step or set "
+            each(exact & ~verify & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy",
+                 lambda i: "> 0", lambda i: 0, lambda i: "drop the request from this step or set "
                                         "PaddingPolicy(allow_empty_requests=True)")
         have = self.allocator.cached_tokens_of(ids.tolist())      # -1 for a request the allocator does not know
         each(exact & (have >= 0) & (cached != have), "num_cached",
@@ -571,9 +571,9 @@ class BatchBuilder:
         if step.token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = step.token_ids
-        rows = logit_rows
-        if isinstance(logit_rows, str):          # 'last': what each request's intent implies
-            rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode)
+        # 'last' (a str): the rows each request's intent implies
+        rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode) \
+            if isinstance(logit_rows, str) else logit_rows
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
         if intent:
             arrays |= {"verify_widths": requests.verify_width, "logit_mode": requests.logit_mode}

@@ -6,7 +6,9 @@ gibberish (vllm-ascend #16870, #16824); reviewers there and in vLLM (vllm-ascend
 kernel requirement to be checked once when the engine starts. :func:`check_capabilities` does that for one
 deployment geometry (config, padding policy, pool sizes) and one kernel family, without building a batch:
 
-* ``"reference"``: dspark's numpy reference indexes in int64 and has no capacity of its own: nothing to check.
+* every kernel: the headroom of the rejection invariant (``verify.ring_headroom``): each ring pool holds the reach
+  plus one verify request of ``1 + dspark_block_size`` rows without wrapping (spec 5.8.3).
+* ``"reference"``: dspark's numpy reference indexes in int64 and has no capacity of its own: nothing else to check.
 * ``"pypto"``: dspark's pypto 0.2.0 kernels form table entries, pool rows and positions in fp32
   (:data:`FP32_EXACT_LIMIT`, see ``dspark_kernels/pypto/index_guard.py``, code ``kernel.index_range`` per call);
   here the worst case of a whole deployment: every block of every pool, ``max_requests`` requests.
@@ -27,7 +29,7 @@ from typing import Literal
 from dspark_abi._base import align_up
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
-from dspark_abi.layout import POOL_NAMES, PoolName
+from dspark_abi.layout import POOL_NAMES, PoolName, verify_headroom
 from dspark_abi.policy import DEFAULT_TOKEN_CAP, PaddingPolicy
 from dspark_abi.pools import TABLE_FIELDS, PoolBlocks
 from dspark_abi.upstream import UPSTREAM_TABLE_DEPTHS
@@ -76,14 +78,38 @@ def check_capabilities(config: ModelConfig, policy: PaddingPolicy, pool_blocks: 
         blocks = PoolBlocks.from_mapping(pool_blocks)
     except ABIError as err:
         return ValidationReport(err.issues)
+    headroom = _headroom_issues(config, blocks)
     if kernel == "reference":
-        return ValidationReport()
-    issues = _byte_offset_issues(config, blocks)
+        return ValidationReport(tuple(headroom))
+    issues = headroom + _byte_offset_issues(config, blocks)
     if kernel == "pypto":
         issues += _fp32_issues(config, blocks, policy.token_cap if max_requests is None else max_requests)
     else:
         issues += _upstream_issues(config, policy, blocks)
     return ValidationReport(tuple(issues))
+
+
+def _headroom_issues(config: ModelConfig, blocks: PoolBlocks) -> list[Issue]:
+    """The rejection invariant's headroom (spec 5.8.3), for every kernel: each ring pool's allocator ring
+    (``PoolLayout.ring_width`` columns) and its pool hold the pages of ``reach + (1 + K)`` positions, so a rejected
+    draft never shares a physical row with a position the request's next step reads. The shipped layouts always
+    satisfy it (RW_p is sized for reach + 8192 positions, and 1 + K <= 65); a pool smaller than one verify request's
+    headroom cannot."""
+    issues = []
+    width = config.max_verify_width
+    for pl in config.layout:
+        need = verify_headroom(pl, width)
+        if pl.ring_width < need or blocks[pl.name] < need:
+            short_ring = pl.ring_width < need
+            issues.append(Issue(
+                "verify.ring_headroom", TABLE_FIELDS[pl.name] if short_ring else f"pool_blocks.{pl.name}",
+                f"a {width}-row verify request needs {need} pages of ring {pl.name!r} (reach {pl.reach} + {width} "
+                f"positions); the {'ring table holds' if short_ring else 'pool has'} "
+                f"{pl.ring_width if short_ring else blocks[pl.name]}", expected=f">= {need}",
+                actual=pl.ring_width if short_ring else blocks[pl.name],
+                fix=f"give pool {pl.name!r} at least {need} blocks" if not short_ring else
+                    "use a layout whose ring tables hold reach + 1 + dspark_block_size positions"))
+    return issues
 
 
 def _byte_offset_issues(config: ModelConfig, blocks: PoolBlocks) -> list[Issue]:

@@ -72,7 +72,7 @@ CODES: dict[str, tuple[str, str]] = {
                                 "never share a written page between requests"),
     "state.ring_alias": ("two positions of a request's live state range map to the same state row",
                          "the state ring must hold state_len + chunk positions without wrapping"),
-    # ---- verify requests and output intent (spec 1.2, section 13)
+    # ---- verify requests and output intent (spec 1.2, section 5.8)
     "verify.width": ("a verify request's width is not 1..1 + K rows, or verify_widths disagrees with the request's "
                      "rows (0 marks a prefill chunk)",
                      "give each verify request its anchor plus at most dspark_block_size drafts; set verify_widths[r] "

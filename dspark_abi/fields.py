@@ -10,9 +10,9 @@ drift-checked by :mod:`dspark_abi.io.spec_table`).
 A new field is one :class:`FieldSpec` here plus its rules (value rules in :mod:`dspark_abi.rules`, codes in
 :mod:`dspark_abi.errors`) and, for a batch field, its attribute on ``PackedBatch``.
 
-Symbols of the shapes: R requests; K the config's ``dspark_block_size``; N live tokens; P = align_up(N, TP) group rows (rows ``N..P-1`` are padding);
-L = P / TP rank rows; G logit rows; ``w_<pool>`` the column count of that pool's table (spec 5.6); ``...`` any
-trailing axes.
+Symbols of the shapes: R requests; K the config's ``dspark_block_size``; N live tokens; P = align_up(N, TP) group
+rows (rows ``N..P-1`` are padding); L = P / TP rank rows; G logit rows; ``w_<pool>`` the column count of that pool's
+table (spec 5.6); ``...`` any trailing axes.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def ring_width_for(table_width: int, page_size: int, reach: int, chunk: int = MA
 
 def verify_headroom(pl: PoolLayout, width: int) -> int:
     """Columns a ring table needs for a verify request of ``width`` rows (0 for a compressed pool): THE headroom of
-    the rejection invariant (spec section 13.3). A verify request reads ``reach`` positions before its anchor and
+    the rejection invariant (spec section 5.8.3). A verify request reads ``reach`` positions before its anchor and
     writes ``width`` rows; the rows of its rejected drafts must not share a physical row with any position the
     request's next step reads, so the ring must hold ``reach + width`` positions without wrapping: at most
     ``ceil((reach + width) / page) + 1`` pages (:func:`ring_width_for` with ``chunk = width``)."""

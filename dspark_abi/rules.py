@@ -127,7 +127,7 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
 def check_verify(issues: list[Issue], *, config: ModelConfig, qsl: np.ndarray, start: np.ndarray,
                  logit_rows: np.ndarray | None, verify_widths: np.ndarray | None, logit_mode: np.ndarray | None,
                  ring_widths: Mapping[PoolName, int]) -> None:
-    """The rules of verify requests and output intent (spec 1.2, section 13), O(R + G).
+    """The rules of verify requests and output intent (spec 1.2, section 5.8), O(R + G).
 
     verify_widths [R] int32: 0 = prefill chunk, w = verify request of its w rows, 1 <= w <= 1 + K, starting after
     at least one committed token, within the position limit; every ring table at least as wide as the headroom of
@@ -175,8 +175,9 @@ def check_verify(issues: list[Issue], *, config: ModelConfig, qsl: np.ndarray, s
         issues.append(Issue("logits.intent", "logit_rows", "logit_mode needs the logit_rows it implies",
                             expected=want.size, actual="missing"))
     elif logit_rows.shape != want.shape or not np.array_equal(logit_rows, want):
-        diff = np.flatnonzero(logit_rows[: want.size] != want[: logit_rows.size]) if logit_rows.size else []
-        first = int(diff[0]) if len(diff) else min(want.size, logit_rows.size)
+        common = min(want.size, logit_rows.size)
+        diff = np.flatnonzero(logit_rows[:common] != want[:common])
+        first = int(diff[0]) if diff.size else common
         issues.append(Issue("logits.intent", "logit_rows", "logit_rows must list, request after request, -1 for "
                             "intent 0, the last row for intent 1 and every row for intent 2",
                             index=first, expected=want.tolist() if want.size <= 16 else f"{want.size} entries",

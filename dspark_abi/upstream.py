@@ -59,7 +59,7 @@ from dspark_abi.lowering import query_start_loc_issues
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import PoolBlocks
 from dspark_abi.ranks import merge_rank_arrays
-from dspark_abi.requests import owner_of_rows
+from dspark_abi.requests import implied_logit_rows, owner_of_rows
 from dspark_abi.validation import subclass_issue
 
 #: Columns of the seven prefill block tables the serving stack stages for the deployed kernels, whose generated code
@@ -354,3 +354,188 @@ def _ring_overwrite(pl: PoolLayout, name: str, table: np.ndarray, start: np.ndar
 def _renamed(issues: Any) -> list[Issue]:
     """Issues with dspark field names replaced by the upstream tensor names."""
     return [attrs.evolve(i, field=_UPSTREAM_NAME.get(i.field, i.field)) for i in issues]
+
+
+# ---------------------------------------------------------------------------------------------- the decode rectangle
+#: The tensors of the decode rectangle (spec 5.8.5) besides the seven tables and slot mappings: name -> (dtype, shape).
+#: B lanes of S = 1 + K rows; lane b owns rows ``[b*S, (b+1)*S)``.
+DECODE_TENSORS: dict[str, tuple[np.dtype[Any], str]] = {
+    "active_widths": (np.dtype(np.int32), "[B]"), "kv_seq_lens": (np.dtype(np.int32), "[B]"),
+    "positions": (np.dtype(np.int32), "[B*S]"), "input_ids": (np.dtype(np.int64), "[B*S]"),
+}
+
+
+def to_upstream_decode(batch: PackedBatch, *, lanes: int | None = None, lane_width: int | None = None
+                       ) -> dict[str, np.ndarray]:
+    """A verify-only ``batch`` as upstream's decode rectangle (spec 5.8.5): request r in lane r of ``lanes`` (B,
+    default R) lanes of ``lane_width`` (S, default the config's 1 + K) rows. Tensors: ``active_widths`` [B] int32
+    (0 = idle lane), ``kv_seq_lens`` [B] int32 (anchor + width, 0 idle), ``positions`` [B*S] int32 (anchor + j on
+    active rows, 0 elsewhere), ``input_ids`` [B*S] int64 (when the batch has token ids; ``pad_token_id`` elsewhere),
+    the seven ``<pool>_block_table`` [B, w] int32 (the batch's widths; -1 rows for idle lanes) and
+    ``<pool>_slot_mapping`` [B*S] int64 (-1 on every inactive row).
+
+    Raises ``verify.width`` when a request is not a verify request (a prefill chunk has no decode form),
+    ``verify.drafts`` when one is wider than S, ``upstream.shape`` when B < R. Cost O(B * S + B * w)."""
+    req = batch.requests
+    s = batch.config.max_verify_width if lane_width is None else int(lane_width)
+    b = req.count if lanes is None else int(lanes)
+    issues = []
+    chunk = np.flatnonzero(~req.is_verify)
+    if chunk.size:
+        issues.append(Issue("verify.width", "verify_widths", "the decode rectangle holds verify requests only",
+                            index=int(chunk[0]), request=int(chunk[0]), expected=">= 1", actual=0,
+                            count=int(chunk.size), fix="send prefill chunks through to_upstream (the prefill entry)"))
+    wide = np.flatnonzero(req.verify_width > s)
+    if wide.size:
+        issues.append(Issue("verify.drafts", "verify_widths", f"a verify request is wider than the lane width S = {s}",
+                            index=int(wide[0]), request=int(wide[0]), expected=f"<= {s}",
+                            actual=int(req.verify_width[wide[0]]), count=int(wide.size)))
+    if b < req.count or s < 1:
+        issues.append(Issue("upstream.shape", "active_widths", "the rectangle needs a lane per request and S >= 1",
+                            expected=f">= {req.count} lanes", actual=(b, s)))
+    if issues:
+        raise ABIError(issues)
+    width = req.verify_width.astype(np.int64)
+    anchor = req.first_position
+    active_widths = np.zeros(b, np.int32)
+    active_widths[: req.count] = width
+    kv = np.zeros(b, np.int32)
+    kv[: req.count] = anchor + width
+    # row (lane r, offset j) of the rectangle <- group row row_start[r] + j, for j < width[r]
+    lane_rows, group_rows = _lane_rows(req.row_start.astype(np.int64), width, s)
+    out: dict[str, np.ndarray] = {"active_widths": active_widths, "kv_seq_lens": kv}
+    positions = np.zeros(b * s, np.int32)
+    positions[lane_rows] = batch.positions[group_rows]
+    out["positions"] = positions
+    if batch.token_ids is not None:
+        ids = np.full(b * s, batch.policy.pad_token_id, np.int64)
+        ids[lane_rows] = batch.token_ids[group_rows]
+        out["input_ids"] = ids
+    for p in POOL_NAMES:
+        table = batch.tables[p]
+        rect = np.full((b, table.shape[1]), -1, np.int32)
+        rect[: req.count] = table
+        out[TABLE_FIELDS[p]] = rect
+        slots = np.full(b * s, -1, np.int64)
+        slots[lane_rows] = batch.slots[p][group_rows]
+        out[SLOT_FIELDS[p]] = slots
+    return out
+
+
+def _lane_rows(start: np.ndarray, width: np.ndarray, lane_width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rectangle rows, group rows) of every active row: lane r's rows ``r*S + j`` <- ``start[r] + j``, j < width."""
+    owner = np.repeat(np.arange(width.size, dtype=np.int64), width)
+    offset = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(width) - width, width)
+    return owner * lane_width + offset, start[owner] + offset
+
+
+def from_upstream_decode(tensors: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
+                         pool_blocks: PoolBlocks | Mapping[str, int], *, request_ids: Any = None) -> PackedBatch:
+    """The verify-only :class:`PackedBatch` of a decode rectangle (the inverse of :func:`to_upstream_decode`): the
+    active lanes in lane order, each a verify request of ``active_widths[b]`` rows with logits at every row.
+
+    Checked before anything is converted, every issue of a stage at once: dtypes and shapes (``upstream.shape``;
+    ``array.missing``), ``active_widths`` in ``[0, S]`` and ``kv_seq_lens`` = anchor + width (0 on idle lanes)
+    (``verify.width``), positions ``anchor + j`` on every active row (``positions.not_contiguous``) and slot -1 in
+    every pool on every inactive row, so no clamped duplicate position near the limit carries a real slot
+    (``padding.slot``). The batch is then validated as any other. request_ids: [active lanes] serving ids (default
+    0..R-1)."""
+    issues: list[Issue] = []
+    names = [*DECODE_TENSORS, *TABLE_FIELDS.values(), *SLOT_FIELDS.values()]
+    got: dict[str, np.ndarray] = {}
+    for name in names:
+        value = tensors.get(name)
+        if value is None:
+            if name != "input_ids":
+                issues.append(Issue("array.missing", name, "decode tensor is absent", expected="present",
+                                    actual="missing"))
+            continue
+        if isinstance(value, np.ndarray) and type(value) is not np.ndarray:
+            issues.append(subclass_issue(name, value))
+            continue
+        a = np.asarray(value)
+        dtype = DECODE_TENSORS[name][0] if name in DECODE_TENSORS else (
+            np.dtype(np.int32) if name in TABLE_FIELDS.values() else np.dtype(np.int64))
+        ndim = 2 if name in TABLE_FIELDS.values() else 1
+        if a.dtype != dtype or a.ndim != ndim:
+            issues.append(Issue("upstream.shape", name, "decode tensor of another dtype or rank",
+                                expected=(dtype.name, ndim), actual=(a.dtype.name, a.ndim)))
+            continue
+        got[name] = a
+    if issues:
+        raise ABIError(issues)
+    widths, kv = got["active_widths"].astype(np.int64), got["kv_seq_lens"].astype(np.int64)
+    b = widths.size
+    rows = got["positions"].size
+    s = rows // b if b else 0
+    bad_rows = [n for n in names if n in got and got[n].ndim == 1 and n not in ("active_widths", "kv_seq_lens")
+                and got[n].size != b * s]
+    bad_lanes = [n for n in ("kv_seq_lens", *TABLE_FIELDS.values()) if got[n].shape[0] != b]
+    if b == 0 or s * b != rows or bad_rows or bad_lanes:
+        raise ABIError([Issue("upstream.shape", n, "the rectangle needs B lanes of S rows (tables: B rows)",
+                              expected=f"B = {b}, S = {s}", actual=list(got[n].shape))
+                        for n in (bad_rows + bad_lanes or ["positions"])])
+    active = widths > 0
+    lane = np.arange(b)
+    anchor = kv - widths
+    for mask, field, msg, expected, actual in (
+            ((widths < 0) | (widths > s), "active_widths", f"active widths must lie in [0, S = {s}]",
+             f"0..{s}", widths),
+            (active & (anchor < 1), "kv_seq_lens", "kv_seq_lens must be anchor + width with an anchor >= 1",
+             ">= width + 1", kv),
+            (~active & (kv != 0), "kv_seq_lens", "an idle lane has kv_seq_lens 0", 0, kv)):
+        hits = np.flatnonzero(mask)
+        if hits.size:
+            k = int(hits[0])
+            issues.append(Issue("verify.width", field, msg, index=k, request=k, expected=expected,
+                                actual=int(actual[k]), count=int(hits.size)))
+    if issues:
+        raise ABIError(issues)
+    offset = np.tile(np.arange(s), b)
+    row_active = offset < np.repeat(widths, s)
+    want = np.repeat(anchor, s) + offset
+    pos = got["positions"].astype(np.int64)
+    wrong = np.flatnonzero(row_active & (pos != want))
+    if wrong.size:
+        k = int(wrong[0])
+        issues.append(Issue("positions.not_contiguous", "positions", "an active row's position must be anchor + j",
+                            index=k, request=k // s, expected=int(want[k]), actual=int(pos[k]),
+                            count=int(wrong.size)))
+    for p in POOL_NAMES:
+        slot = got[SLOT_FIELDS[p]]
+        real = np.flatnonzero(~row_active & (slot != -1))
+        if real.size:
+            k = int(real[0])
+            issues.append(Issue("padding.slot", SLOT_FIELDS[p], "an inactive row of the rectangle (past its lane's "
+                                "width, or an idle lane, e.g. a clamped duplicate position) must not write",
+                                index=k, request=k // s, expected=-1, actual=int(slot[k]), count=int(real.size)))
+    if issues:
+        raise ABIError(issues)
+    lanes = lane[active]
+    width = widths[active]
+    owner = np.repeat(np.arange(lanes.size), width)                       # active rows, in lane order
+    rect_rows = lanes[owner] * s + (np.arange(owner.size) - np.repeat(np.cumsum(width) - width, width))
+    n = int(width.sum())
+    p_rows = policy.padded_rows(n)
+    qsl = np.zeros(lanes.size + 1, np.int32)
+    np.cumsum(width, out=qsl[1:])
+    positions = np.empty(p_rows, np.int32)
+    positions[:n] = got["positions"][rect_rows]
+    positions[n:] = policy.padding_positions(int(positions[n - 1]) if n else 0, p_rows - n)
+    arrays: dict[str, np.ndarray] = {"query_start_loc": qsl, "positions": positions}
+    for p in POOL_NAMES:
+        arrays[TABLE_FIELDS[p]] = np.ascontiguousarray(got[TABLE_FIELDS[p]][lanes])
+        slots = np.full(p_rows, policy.pad_slot, np.int64)
+        slots[:n] = got[SLOT_FIELDS[p]][rect_rows]
+        arrays[SLOT_FIELDS[p]] = slots
+    arrays["request_ids"] = (np.arange(lanes.size, dtype=np.int64) if request_ids is None
+                             else np.asarray(request_ids, np.int64))
+    if "input_ids" in got:
+        ids = np.full(p_rows, policy.pad_token_id, np.int64)
+        ids[:n] = got["input_ids"][rect_rows]
+        arrays["token_ids"] = ids
+    mode = np.full(lanes.size, 2, np.int8)
+    arrays["verify_widths"] = width.astype(np.int32)
+    arrays["logit_mode"] = mode
+    arrays["logit_rows"] = implied_logit_rows(qsl[:-1], qsl[1:], mode)
+    return PackedBatch.from_arrays(arrays, config, policy, pool_blocks)

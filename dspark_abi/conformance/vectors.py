@@ -32,7 +32,7 @@ from dspark_abi.io.fixtures import encode
 from dspark_abi.io.manifest import FORMAT_VERSION, Expectation
 from dspark_abi.io.safe_write import write_bytes, write_text
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.presets import DEMO, FLASH, FLASH_16K, TINY, TINY_1M
+from dspark_abi.presets import DEMO, FLASH, FLASH_16K, TINY, TINY_1M, TINY_DSPARK
 
 INDEX_FORMAT = "dspark.conformance_index"
 KINDS = ("valid", "invalid", "hostile")
@@ -208,6 +208,92 @@ def valid_vectors() -> Iterator[Vector]:
     yield _valid("dspark_target_layers", "A config carrying the 1.1 manifest key dspark_target_layers (the DSpark "
                  "drafter's target layers, here 1 and 3 of TINY).", build(drafter, tp(), [[(0, 0, 3)]]))
     yield from deep_vectors()
+    yield from verify_vectors()
+
+
+#: One request of a verify step: ("verify", request id, num_cached, width, "") or ("chunk", id, num_cached, num_new,
+#: logits) with logits "last" or "none".
+VerifyEntry = tuple[str, int, int, int, str]
+
+
+def build_verify(config: ModelConfig, policy: PaddingPolicy, prompts: dict[int, int], step: list[VerifyEntry],
+                 pools: dict[str, int] = SMALL_POOLS) -> PackedBatch:
+    """Prefill and commit ``prompts`` (request id -> prompt length), then build one step of verify requests and
+    prefill chunks (not committed); token ids as :func:`build` gives them."""
+    alloc = BlockAllocator(config, pools)
+    builder = BatchBuilder(config, policy, alloc)
+    for rid, n in prompts.items():
+        builder.add(rid, 0, n, _token_ids(rid, 0, n, config.vocab_size))
+    if prompts:
+        builder.commit(builder.build())
+    for kind, rid, cached, count, logits in step:
+        ids = _token_ids(rid, cached, count, config.vocab_size)
+        if kind == "verify":
+            builder.add_verify(rid, cached, ids)
+        else:
+            builder.add(rid, cached, count, ids, logits="none" if logits == "none" else "last")
+    return builder.build()
+
+
+def verify_vectors() -> Iterator[Vector]:
+    """ABI 1.2: verify requests (anchor + drafts) beside prefill chunks, output intent, TP splits."""
+    tp = PaddingPolicy
+    yield _valid("verify_mixed_tp2", "TINY_DSPARK (K = 3), TP 2: a verify request of 4 rows at 40 (anchor + 3 "
+                 "drafts), an earlier prefill chunk of 5 rows without logits, a verify request of 1 row (no drafts) at "
+                 "7 and a final chunk of 3 rows: logit_rows = every verify row, -1, the last row.",
+                 build_verify(TINY_DSPARK, tp(tp_size=2), {0: 40, 1: 7},
+                              [("verify", 0, 40, 4, ""), ("chunk", 2, 0, 5, "none"), ("verify", 1, 7, 1, ""),
+                               ("chunk", 3, 0, 3, "last")]))
+    yield _valid("verify_split_tp4", "TINY_DSPARK, TP 4 (L = 2): a 3-row chunk, then a 4-row verify request at "
+                 "rows 3..6, cut by the rank boundaries at rows 4 and 6 (ranks 1, 2 and 3 each hold part of it).",
+                 build_verify(TINY_DSPARK, tp(tp_size=4), {1: 20}, [("chunk", 0, 0, 3, "last"),
+                                                                    ("verify", 1, 20, 4, "")]))
+    yield _valid("verify_page_aligned", "TINY_DSPARK, TP 1: a 4-row verify request at 48: its ori live range "
+                 "[33, 52) is one page, its headroom two (reach 15 + 4 positions): the ring table has two columns.",
+                 build_verify(TINY_DSPARK, tp(), {0: 48}, [("verify", 0, 48, 4, "")]))
+    yield _valid("verify_near_max_position", "TINY_DSPARK, TP 1: a 3-row verify request whose last draft sits at "
+                 "max_position_embeddings - 1 = 4095.",
+                 build_verify(TINY_DSPARK, tp(), {0: 4093}, [("verify", 0, 4093, 3, "")], DEEP_POOLS))
+
+
+def verify_invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
+    """Mutations of the verify vectors (row layout of verify_mixed_tp2: request 0 rows 0..3, request 1 rows 4..8,
+    request 2 row 9, request 3 rows 10..12; logit_rows [0, 1, 2, 3, -1, 9, 12])."""
+    m = valid["valid/verify_mixed_tp2"]
+
+    def put(**fields: list[int]) -> Callable[[dict[str, np.ndarray]], None]:
+        def edit(a: dict[str, np.ndarray]) -> None:
+            for name, values in fields.items():
+                a[name] = np.array(values, dtype=a[name].dtype)
+        return edit
+
+    yield _invalid(m, "verify_width_mismatch", ("verify.width",), "verify_widths[0] = 3 for a request of 4 rows.",
+                   put(verify_widths=[3, 0, 1, 0]))
+    k2 = attrs.evolve(m, config=TINY_DSPARK.model_copy(update={"name": "tiny-dspark-k2", "dspark_block_size": 2}))
+    yield _invalid(k2, "verify_drafts", ("verify.drafts",), "The batch of valid/verify_mixed_tp2 under a config with "
+                   "dspark_block_size = 2: request 0 carries 3 drafts.")
+    yield _invalid(m, "verify_no_anchor", ("verify.no_anchor",), "Request 3 (rows 10..12, positions 0..2) declared a "
+                   "verify request of 3 rows: nothing is committed before its first position.",
+                   put(verify_widths=[4, 0, 1, 3], logit_mode=[2, 0, 2, 2], logit_rows=[0, 1, 2, 3, -1, 9, 10, 11, 12]))
+    yield _invalid(m, "logits_intent_rows", ("logits.intent",), "logit_rows lacks request 0's last verify row: "
+                   "[0, 1, 2, -1, 9, 12].", put(logit_rows=[0, 1, 2, -1, 9, 12]))
+    yield _invalid(m, "logits_intent_mode", ("logits.intent",), "logit_mode[0] = 1 (last row) for a verify request.",
+                   put(logit_mode=[1, 0, 2, 1], logit_rows=[3, -1, 9, 12]))
+    a = valid["valid/verify_page_aligned"]
+
+    def narrow_ori(arrays: dict[str, np.ndarray]) -> None:
+        arrays["ori_block_table"] = np.ascontiguousarray(arrays["ori_block_table"][:, 1:2])   # page 1 in column 0
+
+    yield _invalid(a, "verify_ring_headroom", ("verify.ring_headroom",), "ori_block_table cut to the one column of "
+                   "page 1 (the request's whole ori live range), fewer than the 2 of its headroom: "
+                   "ceil((15 + 4) / 32) + 1.", narrow_ori)
+    n = valid["valid/verify_near_max_position"]
+
+    def shift(arrays: dict[str, np.ndarray]) -> None:
+        arrays["positions"] = arrays["positions"] + np.int32(1)
+
+    yield _invalid(n, "verify_position_limit", ("positions.out_of_range", "verify.position_limit"), "The verify "
+                   "request moved one position on: rows 4094..4096, past max_position_embeddings = 4096.", shift)
 
 
 def _widths(arrays: dict[str, np.ndarray], pools: Iterable[str]) -> str:
@@ -387,6 +473,7 @@ def invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:
     bad_hidden = b.extras["hidden"].astype(np.int32)
     yield _invalid(b, "hidden_dtype", ("array.dtype",), "extra.hidden stored as int32.", extras={"hidden": bad_hidden})
     yield from deep_invalid_vectors(valid)
+    yield from verify_invalid_vectors(valid)
 
 
 def deep_invalid_vectors(valid: dict[str, Vector]) -> Iterator[Vector]:

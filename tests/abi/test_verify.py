@@ -261,3 +261,18 @@ def test_evolving_a_batch_rederives_its_record():
     plain = attrs.evolve(batch, verify_widths=None, logit_mode=None, logit_rows=np.array([3], np.int32))
     assert plain.requests.verify_width.tolist() == [0] and plain.requests.logit_mode.tolist() == [1]
     assert copy.copy(batch).requests.verify_width.tolist() == [4]
+
+
+def test_capability_check_states_the_headroom_for_every_kernel():
+    from dspark_abi.capabilities import KERNELS, check_capabilities
+    for config in (TINY_DSPARK, FLASH_DSPARK):
+        for pl in config.layout:        # the shipped rings already hold reach + 1 + K (they hold reach + 8192)
+            assert pl.ring_width >= verify_headroom(pl, config.max_verify_width)
+    policy = PaddingPolicy()
+    assert check_capabilities(TINY_DSPARK, policy, PoolBlocks.uniform(64)).ok
+    tiny_pools = PoolBlocks.uniform(64).as_dict() | {"csa_state": 3}    # fewer than reach 8 + 4 rows of 2-row pages
+    need = verify_headroom(TINY_DSPARK.layout.pools["csa_state"], 4)
+    for kernel in KERNELS:
+        report = check_capabilities(TINY_DSPARK, policy, tiny_pools, kernel=kernel)
+        issue = next(i for i in report.issues if i.code == "verify.ring_headroom")
+        assert (issue.field, issue.expected, issue.actual) == ("pool_blocks.csa_state", f">= {need}", 3)
