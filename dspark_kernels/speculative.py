@@ -119,6 +119,8 @@ class VerifyOutput:
     """One verify request's result in one step."""
 
     request_id: int
+    position: int
+    """Position of the anchor (the request's cached length before the step)."""
     width: int
     """Rows verified: the anchor and ``width - 1`` drafts."""
     accepted: int
@@ -345,13 +347,13 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                 generated[i].append(int(sampled[last_row[int(starts[order[i]]) + chunks[i] - 1]]))
         outputs = []
         for k, i in enumerate(live):
-            m = int(outcome.matched[k])
+            m, anchor = int(outcome.matched[k]), done[i]
             kept = verify_inputs[k][1: 1 + m]
             generated[i] += [*kept.tolist(), int(outcome.bonus[k])]
             done[i] += m + 1
             lengths[i].append(m + 1)
             rows = slice(int(v_starts[k]), int(v_starts[k]) + m + 1)
-            outputs.append(VerifyOutput(request_id=i, width=int(width[k]), accepted=m + 1, accepted_tokens=kept,
+            outputs.append(VerifyOutput(request_id=i, position=anchor, width=int(width[k]), accepted=m + 1, accepted_tokens=kept,
                                         bonus=int(outcome.bonus[k]),
                                         target_hidden=None if features is None else features[rows].copy()))
         steps.append(StepRecord(batch=batch, prefill_ids=tuple(pre), verify=tuple(outputs), accepted=accepted))

@@ -112,8 +112,9 @@ def readable_rows(config, alloc: BlockAllocator, caches: ModelCaches, lengths: d
             for (li, name), rows in readable_rows_index(config, alloc, caches, lengths).items()}
 
 
-def one_shot(weights: ModelWeights, result) -> tuple[BlockAllocator, ModelCaches, dict[int, int]]:
-    """Fresh caches holding every request's committed tokens, prefilled in one chunk per request."""
+def one_shot(weights: ModelWeights, result):
+    """Fresh allocator and caches holding every request's committed tokens, prefilled in one chunk per request;
+    the committed lengths and each request's [c, T * D] target features."""
     committed = {}
     for i, p in enumerate(prompts()):
         c = result.allocator.cached_tokens(i)
@@ -124,13 +125,14 @@ def one_shot(weights: ModelWeights, result) -> tuple[BlockAllocator, ModelCaches
     for i, t in committed.items():
         builder.add(i, num_cached=0, num_new=t.size, token_ids=t)
     batch = builder.build()
-    prefill(batch, batch.token_ids, weights, caches)
+    out = prefill(batch, batch.token_ids, weights, caches)
     builder.commit(batch)
-    return alloc, caches, {i: t.size for i, t in committed.items()}
+    features = {r.request_id: r.target_hidden for r in out.requests}
+    return alloc, caches, {i: t.size for i, t in committed.items()}, features
 
 
 def assert_caches_equal_one_shot(weights: ModelWeights, result) -> None:
-    alloc, caches, lengths = one_shot(weights, result)
+    alloc, caches, lengths, _ = one_shot(weights, result)
     assert {i: result.allocator.cached_tokens(i) for i in lengths} == lengths
     got = readable_rows(CFG, result.allocator, result.caches, lengths)
     want = readable_rows(CFG, alloc, caches, lengths)
@@ -321,6 +323,11 @@ def test_verify_results_carry_the_accepted_rows_features(weights):
     assert verified and all(v.target_hidden.shape == (v.accepted, 3 * CFG.hidden_size) for v in verified)
     assert all(v.accepted == 1 + v.accepted_tokens.size for v in verified)
     assert any(v.accepted < v.width for v in verified)          # some drafts were rejected
+    features = one_shot(weights, got)[3]
+    for v in verified:   # the features of the committed rows, as a one-shot prefill of the same tokens has them
+        want = features[v.request_id][v.position: v.position + v.accepted]
+        # verify rows vs one prompt: two summation orders along the forward's chain (tests/tolerances.py)
+        assert_close(v.target_hidden, want, order_atol(want, FORWARD_K), "target features of accepted rows")
 
 
 @pytest.mark.parametrize("tp,mode", [(1, "single"), (2, "threads")])
