@@ -353,7 +353,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
             done[i] += m + 1
             lengths[i].append(m + 1)
             rows = slice(int(v_starts[k]), int(v_starts[k]) + m + 1)
-            outputs.append(VerifyOutput(request_id=i, position=anchor, width=int(width[k]), accepted=m + 1, accepted_tokens=kept,
+            outputs.append(VerifyOutput(request_id=i, position=anchor, width=int(width[k]), accepted=m + 1,
+                                        accepted_tokens=kept,
                                         bonus=int(outcome.bonus[k]),
                                         target_hidden=None if features is None else features[rows].copy()))
         steps.append(StepRecord(batch=batch, prefill_ids=tuple(pre), verify=tuple(outputs), accepted=accepted))
