@@ -264,7 +264,8 @@ class BatchBuilder:
 
         logit_rows: 'last' follows each request's output intent (``add(logits=...)``: the last row of a final
         chunk, none of an earlier one, -1 for empty requests; every row of a verify request); None leaves them
-        out, or an explicit list of group rows (both only for steps without verify requests, as in ABI 1.1).
+        out, or an explicit list of group rows (both only for steps without verify requests, as in ABI 1.1; they
+        override the chunks' ``logits=`` intent).
         A step with a verify request or a ``logits="none"`` chunk carries ``verify_widths`` and ``logit_mode``.
         On any error nothing is planned and the queue is kept, so the caller can fix and retry.
         """
@@ -366,8 +367,8 @@ class BatchBuilder:
         tokens = None
         if token_parts and token_parts[0] is not None:
             tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
-        if rows is None:
-            mode[:] = 0
+        if not isinstance(rows, str):     # None or explicit rows (prefill-only steps): the 1.1 form, no intent fields
+            return StepRequests(ids, cached, new, tokens), rows
         width = np.where(verify, new, 0).astype(np.int32)
         return StepRequests(ids, cached, new, tokens, width, mode), rows
 

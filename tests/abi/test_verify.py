@@ -72,6 +72,24 @@ def test_mixed_step_of_verify_requests_and_prefill_chunks():
         assert batch.tables[pl.name].shape[1] >= verify_headroom(pl, 4)
 
 
+def test_old_logit_rows_arguments_keep_their_meaning():
+    builder = _builder()
+    builder.add(0, 0, 3)
+    builder.add(1, 0, 2, logits="none")
+    plain = builder.build(logit_rows=None)
+    assert plain.logit_rows is None and plain.logit_mode is None and plain.requests.logit_mode.tolist() == [0, 0]
+    builder.add(0, 0, 3)
+    builder.add(1, 0, 2, logits="none")
+    chosen = builder.build(logit_rows=[1, 4])                 # explicit rows override the chunks' intent
+    assert chosen.logit_rows.tolist() == [1, 4] and chosen.logit_mode is None
+    assert chosen.requests.logit_row.tolist() == [-1, 4]
+    builder.add(0, 0, 3)
+    builder.add(1, 0, 2, logits="none")
+    intent = builder.build()
+    assert intent.logit_rows.tolist() == [2, -1] and intent.logit_mode.tolist() == [1, 0]
+    assert intent.verify_widths.tolist() == [0, 0]
+
+
 def test_prefill_only_steps_stay_1_1_batches():
     builder = _builder()
     builder.add(0, num_cached=0, num_new=5)
