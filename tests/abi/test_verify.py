@@ -88,6 +88,13 @@ def test_old_logit_rows_arguments_keep_their_meaning():
     intent = builder.build()
     assert intent.logit_rows.tolist() == [2, -1] and intent.logit_mode.tolist() == [1, 0]
     assert intent.verify_widths.tolist() == [0, 0]
+    builder.add_many([0, 1], [0, 0], [3, 2], logits="none")          # the engine's arrays, earlier chunks
+    builder.add(2, 0, 1)
+    assert builder.build().logit_rows.tolist() == [-1, -1, 5]
+    builder.add_many([0], [0], [3], logits="verify")                 # type: ignore[arg-type]
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"builder.request"}
 
 
 def test_prefill_only_steps_stay_1_1_batches():
