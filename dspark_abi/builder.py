@@ -90,6 +90,7 @@ class _Many:
     num_cached: Any
     num_new: Any
     token_ids: Any
+    logits: Any = "last"
 
 
 _INT64 = (-(2**63), 2**63 - 1)
@@ -240,10 +241,12 @@ class BatchBuilder:
         self._pending.append((request_id, num_cached, None, _copy(token_ids), "verify"))
 
     def add_many(self, request_ids: Sequence[int] | np.ndarray, num_cached: Sequence[int] | np.ndarray,
-                 num_new: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray | None = None) -> None:
-        """Queue many requests at once from 1-D integer arrays of equal length (the form a serving engine keeps
-        them in); ``build()`` checks them vectorized, like :meth:`add`'s. token_ids: None, or one flat 1-D
-        integer array of ``sum(num_new)`` ids, request after request. The arguments are copied.
+                 num_new: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray | None = None, *,
+                 logits: Literal["last", "none"] = "last") -> None:
+        """Queue many prefill chunks at once from 1-D integer arrays of equal length (the form a serving engine
+        keeps them in); ``build()`` checks them vectorized, like :meth:`add`'s. token_ids: None, or one flat 1-D
+        integer array of ``sum(num_new)`` ids, request after request. logits: the output intent of every chunk of
+        the call, as :meth:`add` takes it. The arguments are copied.
 
         >>> from dspark_abi import BlockAllocator, PaddingPolicy, PoolBlocks
         >>> from dspark_abi.presets import TINY
@@ -252,7 +255,7 @@ class BatchBuilder:
         >>> builder.build().positions.tolist()
         [0, 1, 2, 40, 41]
         """
-        self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(num_new), _copy(token_ids)))
+        self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(num_new), _copy(token_ids), logits))
 
     def clear(self) -> None:
         """Drop the queued requests."""
@@ -264,7 +267,8 @@ class BatchBuilder:
 
         logit_rows: 'last' follows each request's output intent (``add(logits=...)``: the last row of a final
         chunk, none of an earlier one, -1 for empty requests; every row of a verify request); None leaves them
-        out, or an explicit list of group rows (both only for steps without verify requests, as in ABI 1.1).
+        out, or an explicit list of group rows (both only for steps without verify requests, as in ABI 1.1; they
+        override the chunks' ``logits=`` intent).
         A step with a verify request or a ``logits="none"`` chunk carries ``verify_widths`` and ``logit_mode``.
         On any error nothing is planned and the queue is kept, so the caller can fix and retry.
         """
@@ -339,11 +343,12 @@ class BatchBuilder:
                             self._convert_one(entry, index, issues))
             parts.append(part)
             token_parts.append(tokens)
-            kind = "last" if isinstance(entry, _Many) else entry[4]
-            if kind not in _MODE:
+            kind = entry.logits if isinstance(entry, _Many) else entry[4]
+            known = isinstance(kind, str) and kind in _MODE and not (isinstance(entry, _Many) and kind == "verify")
+            if not known:
                 _bad(issues, index, "logits", f"logits must be 'last' or 'none', got {_short(kind)}",
                      "'last' or 'none'", _short(kind), _LOGITS_FIX)
-            modes.append(np.full(part[0].size, _MODE.get(kind, 1), np.int8))
+            modes.append(np.full(part[0].size, _MODE[kind] if known else 1, np.int8))
             index += part[0].size
 
         ids, cached, new, exact, id_exact = (np.concatenate([p[k] for p in parts]) if parts else
@@ -366,8 +371,8 @@ class BatchBuilder:
         tokens = None
         if token_parts and token_parts[0] is not None:
             tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
-        if rows is None:
-            mode[:] = 0
+        if not isinstance(rows, str):     # None or explicit rows (prefill-only steps): the 1.1 form, no intent fields
+            return StepRequests(ids, cached, new, tokens), rows
         width = np.where(verify, new, 0).astype(np.int32)
         return StepRequests(ids, cached, new, tokens, width, mode), rows
 

@@ -75,4 +75,10 @@ def hostile_files(arrays: Mapping[str, np.ndarray], *, config: ModelConfig, poli
         "extra_tensor": (craft(dict(stored, bogus=np.zeros(2, np.int32))), tensors,
                          "A tensor the manifest does not list."),
         "missing_tensor": (craft(no_positions), tensors, "The manifest lists positions, the file lacks it."),
+        "verify_fields_in_1_1_file": (
+            craft(dict(stored, verify_widths=np.zeros(1, np.int32), logit_mode=np.ones(1, np.int8)),
+                  format_version="1.1", tensors__verify_widths={"dtype": "int32", "shape": [1]},
+                  tensors__logit_mode={"dtype": "int8", "shape": [1]}), manifest,
+            "A format_version 1.1 file carrying the 1.2 tensors verify_widths and logit_mode (a 1.1 reader cannot "
+            "know their meaning)."),
     }

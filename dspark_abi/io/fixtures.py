@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig, issues_from_pydantic
 from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.fields import FIELDS
 from dspark_abi.io import safe_write
 from dspark_abi.io.manifest import (
     ABI_TENSORS,
@@ -345,6 +346,10 @@ def _parse_manifest(meta: dict[str, str]) -> FixtureManifest:
         raise ABIError(issues_from_pydantic(exc, prefix="manifest", code="fixture.manifest")) from None
 
 
+#: Fixture tensor name -> its field declaration (for the version a field appeared in).
+BY_FILE_NAME = {f.file_name: f for f in FIELDS}
+
+
 def _check_tensors(manifest: FixtureManifest, header: dict[str, Any], raw: dict[str, bytes]) -> FixtureFile:
     issues: list[Issue] = []
 
@@ -352,6 +357,13 @@ def _check_tensors(manifest: FixtureManifest, header: dict[str, Any], raw: dict[
         issues.append(Issue("fixture.tensors", name, message, expected=expected, actual=actual))
 
     declared, stored = set(manifest.tensors), set(raw)
+    version = tuple(map(int, manifest.format_version.split(".")))
+    for name in sorted(declared):     # a field newer than the file's version: its writer lied about the version
+        spec = BY_FILE_NAME.get(name)
+        if spec is not None and tuple(map(int, spec.since.split("."))) > version:
+            issues.append(Issue("fixture.manifest", f"manifest.tensors.{name}", f"tensor {name!r} exists since "
+                                f"ABI {spec.since}, the file says format_version {manifest.format_version}",
+                                expected=f"format_version >= {spec.since}", actual=manifest.format_version))
     for name in sorted(declared - stored):
         bad(name, "tensor listed in the manifest is missing from the file", "present", "missing")
     for name in sorted(stored - declared):

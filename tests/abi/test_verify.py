@@ -72,6 +72,31 @@ def test_mixed_step_of_verify_requests_and_prefill_chunks():
         assert batch.tables[pl.name].shape[1] >= verify_headroom(pl, 4)
 
 
+def test_old_logit_rows_arguments_keep_their_meaning():
+    builder = _builder()
+    builder.add(0, 0, 3)
+    builder.add(1, 0, 2, logits="none")
+    plain = builder.build(logit_rows=None)
+    assert plain.logit_rows is None and plain.logit_mode is None and plain.requests.logit_mode.tolist() == [0, 0]
+    builder.add(0, 0, 3)
+    builder.add(1, 0, 2, logits="none")
+    chosen = builder.build(logit_rows=[1, 4])                 # explicit rows override the chunks' intent
+    assert chosen.logit_rows.tolist() == [1, 4] and chosen.logit_mode is None
+    assert chosen.requests.logit_row.tolist() == [-1, 4]
+    builder.add(0, 0, 3)
+    builder.add(1, 0, 2, logits="none")
+    intent = builder.build()
+    assert intent.logit_rows.tolist() == [2, -1] and intent.logit_mode.tolist() == [1, 0]
+    assert intent.verify_widths.tolist() == [0, 0]
+    builder.add_many([0, 1], [0, 0], [3, 2], logits="none")          # the engine's arrays, earlier chunks
+    builder.add(2, 0, 1)
+    assert builder.build().logit_rows.tolist() == [-1, -1, 5]
+    builder.add_many([0], [0], [3], logits="verify")                 # type: ignore[arg-type]
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    assert err.value.codes == {"builder.request"}
+
+
 def test_prefill_only_steps_stay_1_1_batches():
     builder = _builder()
     builder.add(0, num_cached=0, num_new=5)
@@ -276,3 +301,39 @@ def test_capability_check_states_the_headroom_for_every_kernel():
         report = check_capabilities(TINY_DSPARK, policy, tiny_pools, kernel=kernel)
         issue = next(i for i in report.issues if i.code == "verify.ring_headroom")
         assert (issue.field, issue.expected, issue.actual) == ("pool_blocks.csa_state", f">= {need}", 3)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_speculative_loop_with_the_incremental_validator_agrees_with_full_validation(tp):
+    """Verify steps with random widths and acceptance, mixed with chunks of other prompts, through a builder with a
+    StepValidator: every step validates, equals the stateless verdict, and every request's cached count is the sum
+    of what was committed."""
+    from dspark_abi import validate
+    from dspark_abi.incremental import StepValidator
+
+    rng = np.random.default_rng(tp)
+    policy = PaddingPolicy(tp_size=tp)
+    alloc = BlockAllocator(CONFIG, PoolBlocks.uniform(512))
+    builder = BatchBuilder(CONFIG, policy, alloc, validator=StepValidator(CONFIG, policy, alloc.pool_blocks))
+    _prefilled(builder, {0: 29, 1: 126, 2: 250})
+    done = {0: 29, 1: 126, 2: 250}
+    chunk_of = {10: 0}                                 # a long prompt arriving in chunks of 37
+    for _ in range(40):
+        for rid in done:
+            width = int(rng.integers(1, K + 2))
+            builder.add_verify(rid, done[rid], rng.integers(0, CONFIG.vocab_size, width))
+        for rid, cached in chunk_of.items():
+            builder.add(rid, cached, 37, token_ids=rng.integers(0, CONFIG.vocab_size, 37), logits="none")
+        batch = builder.build()
+        assert validate(batch).ok
+        req = batch.requests
+        width = req.verify_width.astype(np.int64)
+        accepted = np.where(req.is_verify, rng.integers(1, np.maximum(width, 1) + 1), req.lengths).astype(np.int64)
+        builder.commit(batch, accepted=accepted)
+        for rid, a in zip(req.ids.tolist(), accepted.tolist(), strict=True):
+            if rid in done:
+                done[rid] += a
+            else:
+                chunk_of[rid] += a
+        for rid, n in (done | chunk_of).items():
+            assert alloc.cached_tokens(rid) == n
