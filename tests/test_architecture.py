@@ -146,22 +146,36 @@ def test_a_forward_builds_one_plan_and_prepares_each_layer_once(monkeypatch):
     assert len(plans) == 2 and prepares == list(range(TINY.num_layers))  # the caller's cache is reused
 
 
-def test_pypto_backend_lowers_request_ids_once_per_plan(monkeypatch):
+@pytest.mark.parametrize("tp", [1, 4])
+def test_plan_lookups_are_the_stage_lookups(tp):
+    """The table lookups every layer reads (window rows, visible entry rows, compressor windows) are the plan's,
+    equal to what the stages compute on bare arrays."""
+    from dspark_kernels.model.geometry import window_state_rows
     from dspark_kernels.model.plan import BatchPlan
-    from dspark_kernels.pypto import attention as pypto_attention
+    from dspark_kernels.reference.entry_rows import visible_entry_rows
+    from dspark_kernels.reference.window import window_rows
 
-    seen = []
+    batch = _batch(tp)
+    pools, tables = TINY.layout.pools, batch.tables
+    for rank in [None, *range(tp)]:
+        plan = BatchPlan.build(batch, rank=rank)
+        q = plan.query_rows
+        pos, req = batch.positions[q], batch.row_request[q]
+        np.testing.assert_array_equal(plan.window, window_rows(pos, req, tables["ori"], TINY.sliding_window))
+        for pool, ratio in (("idx", 4), ("hca_cmp", 128)):
+            want = visible_entry_rows(np.where(req >= 0, visible_entries(pos, ratio), 0), req, tables[pool])
+            np.testing.assert_array_equal(plan.entry_rows[pool], want)
+            np.testing.assert_array_equal(plan.entry_rows_in(pool, plan.row_start, plan.row_stop), want)
+        for pool, ratio in (("csa_state", 4), ("csa_inner_state", 4), ("hca_state", 128)):
+            b, rows = window_state_rows(batch.positions, batch.row_request, tables[pool], ratio,
+                                        pools[pool].page_size)
+            np.testing.assert_array_equal(plan.state_windows[pool].boundaries, b)
+            np.testing.assert_array_equal(plan.state_windows[pool].rows, rows)
 
-    def fake(plan, layer, x, weights, caches, ids):  # stands in for the kernels (no pypto needed)
-        seen.append(ids)
-        return np.zeros((plan.row_stop - plan.row_start, 1), np.float32), plan.query_request.copy()
 
-    monkeypatch.setattr(pypto_attention, "_attention_in_process", fake)
-    backend = pypto_attention.PyptoAttention(isolate=False)
-    weights = type("W", (), {"precision": "a2a3"})()
-    batch = _batch(2)
-    plans = [BatchPlan.build(batch, rank=r, precision="a2a3") for r in (0, 1)]
-    for layer in range(3):
-        for plan in plans:
-            backend(plan, layer, None, weights, None)
-    assert seen[:2] == [None, None] and all(ids is not None for ids in seen[2:])
+def test_no_kernel_module_keys_state_by_object_identity():
+    """Per-plan state belongs to the plan: no module keeps a dict keyed by ``id(...)``."""
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id != "id", (path.relative_to(PACKAGE), ast.unparse(node))

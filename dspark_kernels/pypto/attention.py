@@ -1,21 +1,23 @@
 """`attention_pypto`: one attention layer over a packed batch with the pypto kernels (the ``pypto`` backend).
 
 Same contract as :func:`dspark_kernels.reference.attention.attention` with ``precision="a2a3"`` (the
-numerics the kernels implement): same arguments, same output, same in-place cache updates. Every stage
-runs through a pypto kernel; the host only reads the batch's plan (RoPE rows, the compressor boundary rows,
-visible-entry counts) and moves arrays between calls. The stage modules mirror the reference's:
+numerics the kernels implement): same arguments, same output, same in-place cache updates. Every stage that
+computes runs through a pypto kernel; the host reads the batch's plan (request ids, RoPE rows, window rows,
+visible entry rows, the compressors' boundary rows and windows: table lookups that are the same for every layer,
+computed once per batch and rank) and moves arrays between calls. The stage modules mirror the reference's
+(``lowering`` and ``window`` are kernels of the plan's lookups, tested against it; a forward reads the plan's):
 
 =====================================================  ==================================================
 stage                                                  module
 =====================================================  ==================================================
-local request ids of the query rows (1)                ``lowering`` (once per plan)
+local request ids of the query rows (1)                the plan's ``request`` (kernel: ``lowering``)
 shared kv (all P rows) and q path (query rows) (2)     ``projections``
 ``ori``, state, compressed and idx writes (3)          ``paged``
-window rows through the request's ori table (3)        ``window``
+window rows through the request's ori table (3)        the plan's ``window`` (kernel: ``window``)
 compressors ratio 4 / 128, state rings (4)             ``compressor`` (+ ``paged``)
 indexer compressor: Hadamard, int8 idx cache (5)       ``compressor`` (+ ``paged``)
-lightning indexer scores and top-k (5)                 ``indexer`` (candidates: ``entry_rows``)
-compressed rows through the request's table (6)        ``entry_rows``
+lightning indexer scores and top-k (5)                 ``indexer`` (candidates: the plan's ``entry_rows``)
+compressed rows through the request's table (6)        ``entry_rows`` (CSA); HCA: the plan's ``entry_rows``
 sparse attention core with sink, inverse RoPE (6)      ``sparse_attention``
 grouped o_proj with int8 activations (7)               ``o_proj``
 =====================================================  ==================================================
@@ -40,7 +42,6 @@ from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
-from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import narrow
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
@@ -69,28 +70,23 @@ def attention_pypto(batch: PackedBatch, layer: int, x: np.ndarray, weights: Atte
 class PyptoAttention:
     """The pypto :class:`~dspark_kernels.model.backends.AttentionBackend` (``plan.precision`` must be a2a3).
 
-    Stage 1 (the plan's request ids, :mod:`.lowering`) runs once per plan: in the kernel process of the first
-    layer called with it, whose ids the later layers of that plan reuse. isolate: False runs pypto in this
-    process. One instance serves any number of plans (the ranks of an in-process TP group share one).
+    It keeps no per-plan state: the batch's table lookups (request ids, window rows, visible entry rows, compressor
+    windows) are the plan's, computed once per batch and rank. isolate: False runs pypto in this process. One
+    instance serves any number of plans (the ranks of an in-process TP group share one).
     """
 
     isolate: bool = True
-    _lowered: dict[int, tuple[BatchPlan, np.ndarray]] = attrs.field(factory=dict, init=False, repr=False)
 
     def __call__(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
                  caches: LayerCaches) -> np.ndarray:
         if plan.precision != PRECISION or weights.precision != PRECISION:
             raise ValueError(f"the pypto kernels compute {PRECISION}, not plan {plan.precision} / weights "
                              f"{weights.precision}")
-        kept = self._lowered.get(id(plan))
-        ids = kept[1] if kept is not None and kept[0] is plan else None
-        if self.isolate:
-            out, updated, ids = run_isolated(_attention_and_caches, plan, layer, x, weights, caches, ids)
-            for name, array in caches.arrays().items():
-                array[...] = updated[name]
-        else:
-            out, ids = _attention_in_process(plan, layer, x, weights, caches, ids)
-        self._lowered[id(plan)] = (plan, ids)
+        if not self.isolate:
+            return _attention_in_process(plan, layer, x, weights, caches)
+        out, updated = run_isolated(_attention_and_caches, plan, layer, x, weights, caches)
+        for name, array in caches.arrays().items():
+            array[...] = updated[name]
         return out
 
     # the layer's hyper-connection stages (model.backends.HyperConnectionStages), through the pypto kernels
@@ -207,24 +203,21 @@ def _greedy(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def _attention_and_caches(plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
-                          caches: LayerCaches, ids: np.ndarray | None
-                          ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
-    out, ids = _attention_in_process(plan, layer, x, weights, caches, ids)
-    return out, caches.arrays(), ids
+                          caches: LayerCaches) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    out = _attention_in_process(plan, layer, x, weights, caches)
+    return out, caches.arrays()
 
 
-def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: PreparedWeights, caches: LayerCaches,
-                          ids: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """(output rows, stage-1 ids) of one layer; ``ids``: the plan's stage-1 ids if already lowered."""
+def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: PreparedWeights, caches: LayerCaches
+                          ) -> np.ndarray:
+    """The output rows of one layer."""
     from dspark_kernels.pypto.compressor import compress_into
     from dspark_kernels.pypto.entry_rows import run_entry_rows
     from dspark_kernels.pypto.indexer import run_indexer
-    from dspark_kernels.pypto.lowering import run_lowering
     from dspark_kernels.pypto.o_proj import run_o_proj
     from dspark_kernels.pypto.paged import scatter_into
     from dspark_kernels.pypto.projections import run_query, run_shared_kv
     from dspark_kernels.pypto.sparse_attention import run_sparse_attention
-    from dspark_kernels.pypto.window import run_window
 
     batch, config = plan.batch, plan.config
     pools = config.layout.pools  # each table's addressing (ring or not) comes from its PoolLayout
@@ -243,7 +236,7 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
         b, (entries,) = compress_into(xn, plan.positions, plan.request, batch.slots[state], batch.tables[state],
                                       caches.pool(state), w.compressor, start.cos, start.sin,
                                       page_size=pools[state].page_size, eps=eps, ring=pools[state].is_ring,
-                                      boundaries=plan.boundaries[ratio])
+                                      windows=plan.state_windows[state])
         scatter_into(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
         if kind == "csa":
             inner = "csa_inner_state"
@@ -252,30 +245,24 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
                                                 _given(w.idx_compressor, "indexer.compressor"), start.cos,
                                                 start.sin, page_size=pools[inner].page_size, eps=eps,
                                                 ring=pools[inner].is_ring, hadamard=w.idx_hadamard,
-                                                boundaries=plan.boundaries[INDEX_RATIO])
+                                                windows=plan.state_windows[inner])
             scatter_into(caches.pool("idx"), batch.slots["idx"][b], idx, bf16=False)
             scatter_into(caches.pool("idx_scale"), batch.slots["idx"][b], idx_scale, bf16=False)
 
-    # ---- query side over the plan's rows
+    # ---- query side over the plan's rows; the table lookups (request ids, window, entry rows) are the plan's
     lo, hi = plan.row_start, plan.row_stop
-    if ids is None:  # stage 1, once per plan
-        ids = run_lowering(batch.query_start_loc, lo, hi - lo).values[-1]
-    request = ids.astype(np.int64)
-    q_pos, q_x = plan.positions[lo:hi], xn[lo:hi]
+    request = plan.query_request.astype(np.int64)
+    q_x = xn[lo:hi]
     q_cos, q_sin = rope.rows(lo, hi)
     q, qr_q, qr_scale = (v.astype(np.float32) for v in run_query(
         q_x, w.wq_a, w.q_norm, w.wq_b, _given(w.wq_b_scale, "wq_b scale"), q_cos, q_sin, config.num_attention_heads,
         eps).values[-3:])
-    window = run_window(q_pos, request, batch.tables["ori"], config.sliding_window,
-                        ring=pools["ori"].is_ring).values[-1]
+    window = plan.window_in(lo, hi)
     cmp_rows, cmp_pool = None, None
     if kind == "csa":
         top = np.full((hi - lo, config.index_topk), -1, np.int32)
-        columns = int(plan.visible[INDEX_RATIO][lo:hi].max(initial=0))
-        if columns > 0:  # candidates: the request's own visible idx entries, through its table
-            candidates = run_entry_rows(q_pos, request, batch.tables["idx"], None, ring=pools["idx"].is_ring,
-                                        ratio=INDEX_RATIO, columns=columns,
-                                        table_name=TABLE_FIELDS["idx"]).values[-1]
+        candidates = plan.entry_rows_in("idx", lo, hi)  # the request's own visible idx entries, through its table
+        if candidates.shape[1] > 0:
             top = run_indexer(qr_q, qr_scale, _given(w.idx_wq_b, "indexer.wq_b"),
                               _given(w.idx_wq_b_scale, "indexer.wq_b scale"), q_x,
                               _given(w.idx_weights_proj, "indexer.weights_proj"), q_cos, q_sin,
@@ -283,23 +270,20 @@ def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: Prepare
                               candidates,
                               heads=config.index_n_heads, topk=config.index_topk,
                               weight_scale=config.index_weight_scale).values[-1]
-        cmp_rows = run_entry_rows(q_pos, request, batch.tables["csa_cmp"], top, ring=pools["csa_cmp"].is_ring,
-                                  table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
+        cmp_rows = run_entry_rows(plan.positions[lo:hi], request, batch.tables["csa_cmp"], top,
+                                  ring=pools["csa_cmp"].is_ring, table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
         cmp_pool = caches.pool("csa_cmp")
     elif kind == "hca":
-        ratio = config.compress_ratios[layer]
-        columns = int(plan.visible[ratio][lo:hi].max(initial=0))
-        if columns > 0:  # HCA dense: every visible entry through the request's table
-            cmp_rows = run_entry_rows(q_pos, request, batch.tables["hca_cmp"], None, ring=pools["hca_cmp"].is_ring,
-                                      ratio=ratio, columns=columns, table_name=TABLE_FIELDS["hca_cmp"]).values[-1]
-            cmp_pool = caches.pool("hca_cmp")
+        visible = plan.entry_rows_in("hca_cmp", lo, hi)  # HCA dense: every visible entry through the request's table
+        if visible.shape[1] > 0:
+            cmp_rows, cmp_pool = visible, caches.pool("hca_cmp")
     o = run_sparse_attention(q, window, cmp_rows, caches.ori, cmp_pool, w.attn_sink, q_cos, q_sin,
                              scale=config.softmax_scale).values[-1].astype(np.float32)
     out = run_o_proj(o.reshape(o.shape[0], -1), w.wo_a, w.wo_b, _given(w.wo_b_scale, "wo_b scale"),
                      config.o_groups).values[-1]
     out = out.astype(np.float32)
     out[request < 0] = 0
-    return out, ids
+    return out
 
 
 def _given(value: T | None, what: str) -> T:

@@ -28,14 +28,13 @@ from dspark_kernels.model.numerics import check_precision, narrow
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
 from dspark_kernels.reference.compressor import compress, compress_index_keys
-from dspark_kernels.reference.entry_rows import chosen_entry_rows, visible_entry_rows
-from dspark_kernels.reference.indexer import index_query, lightning_topk
+from dspark_kernels.reference.entry_rows import chosen_entry_rows
+from dspark_kernels.reference.indexer import IndexCandidates, index_query, lightning_topk
 from dspark_kernels.reference.lowering import local_request_ids
 from dspark_kernels.reference.o_proj import output_projection
 from dspark_kernels.reference.paged import scatter_rows
 from dspark_kernels.reference.projections import low_rank_query, query_heads, shared_kv
 from dspark_kernels.reference.sparse_attention import sparse_attention
-from dspark_kernels.reference.window import window_rows
 
 #: Query rows per block of the query side (bounds the [rows, H*D] q and o intermediates).
 QUERY_BLOCK = 256
@@ -86,14 +85,13 @@ def attend(plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
         b, entries = compress(xn, plan.positions, plan.request, batch.slots[state], batch.tables[state],
                               caches.pool(state), w.compressor, start.cos, start.sin,
                               page_size=config.layout.pools[state].page_size, eps=eps, precision=prec,
-                              boundaries=plan.boundaries[ratio])
+                              windows=plan.state_windows[state])
         scatter_rows(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries)
         if kind == "csa":
             compress_index_keys(xn, plan.positions, plan.request, batch.slots["csa_inner_state"],
                                 batch.tables["csa_inner_state"], caches.pool("csa_inner_state"), batch.slots["idx"],
                                 caches.pool("idx"), caches.pool("idx_scale"), w, start.cos, start.sin, eps=eps,
-                                precision=prec,
-                                boundaries=plan.boundaries[INDEX_RATIO])
+                                precision=prec, windows=plan.state_windows["csa_inner_state"])
 
     # ---- query side: the plan's query rows
     lo, hi = plan.row_start, plan.row_stop
@@ -119,16 +117,16 @@ def _query_block(plan: BatchPlan, layer: int, xn: np.ndarray, lo: int, hi: int, 
     cos, sin = plan.rope[kind].rows(lo, hi)                                          # (T, rd/2)
     lrq = low_rank_query(x, w, eps, prec)
     q = query_heads(lrq, w, cos, sin, config.num_attention_heads, eps, prec)         # (T, H, D)
-    window = window_rows(positions, request, batch.tables["ori"], config.sliding_window)  # (T, W)
+    window = plan.window_in(lo, hi)                                                   # (T, W)
     cmp_rows, cmp_pool = None, None
     if kind == "csa":
         iq = index_query(lrq, x, w, cos, sin, config.index_n_heads, config.index_weight_scale, prec)
+        candidates = IndexCandidates(plan.visible[INDEX_RATIO][lo:hi], plan.entry_rows_in("idx", lo, hi))
         top = lightning_topk(iq, positions, request, batch.tables["idx"], caches.pool("idx"), caches.pool("idx_scale"),
-                             topk=config.index_topk, precision=prec, runs=runs)
+                             topk=config.index_topk, precision=prec, runs=runs, candidates=candidates)
         cmp_rows, cmp_pool = chosen_entry_rows(top, request, batch.tables["csa_cmp"]), caches.pool("csa_cmp")
     elif kind == "hca":
-        visible = plan.visible[config.compress_ratios[layer]][lo:hi]
-        cmp_rows, cmp_pool = visible_entry_rows(visible, request, batch.tables["hca_cmp"]), caches.pool("hca_cmp")
+        cmp_rows, cmp_pool = plan.entry_rows_in("hca_cmp", lo, hi), caches.pool("hca_cmp")
     o = sparse_attention(q, request, window, caches.ori, cmp_rows, cmp_pool, w.attn_sink, cos, sin,
                          scale=config.softmax_scale, precision=prec, runs=runs)
     out = output_projection(o.reshape(o.shape[0], -1), w, prec)
