@@ -69,29 +69,6 @@ def window_state_rows(positions: np.ndarray, request: np.ndarray, state_table: n
     return b, physical_rows(state_table, np.asarray(request)[b], pos, page_size, ring=True)
 
 
-def window_key_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarray, window: int,
-                    page_size: int) -> np.ndarray:
-    """[T, W] int64 physical ``ori`` rows of every query's sliding window, oldest first (the ori pool is a ring).
-
-    positions, request: [T] int (-1 = padding row); ori_table [R, width] int32. With ``v = min(W, p + 1)``,
-    column k < v holds the row of key position ``p + 1 - v + k``; columns >= v, padding rows and unmapped pages
-    hold -1. Isolation comes from reading the query's own request's table row; causality from keys <= p.
-    """
-    p = np.asarray(positions, dtype=np.int64)[:, None]                   # (T, 1)
-    k = np.arange(window, dtype=np.int64)[None, :]                       # (1, W)
-    visible = np.minimum(window, p + 1)                                  # (T, 1)
-    key_pos = np.where(k < visible, p + 1 - visible + k, -1)             # (T, W)
-    rows = physical_rows(ori_table, request, key_pos, page_size, ring=True)
-    return np.where(k < visible, rows, -1)
-
-
-def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray, page_size: int) -> np.ndarray:
-    """[T, Vmax] int64 physical rows of the compressed entries ``c < visible[t]`` through each row's own request's
-    table (visible: [T] counts, 0 on padding rows; Vmax = max(visible)); -1 beyond a row's count or unmapped."""
-    c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
-    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
-
-
 def vocab_shard_width(vocab: int, tp_size: int) -> int:
     """Vocabulary rows of every LM-head shard but possibly the last: ``ceil(V / TP)``."""
     return -(-vocab // tp_size)

@@ -17,10 +17,10 @@ field                   what, and where it comes from
 ``visible[m]``          [P] int64 entries a row sees, ``(p+1) // m`` (:func:`dspark_abi.layout.visible_entries`),
                         0 on padding rows
 ``window``              [rows, W] int64 physical ``ori`` rows of each query row's sliding window, oldest first
-                        (:func:`~dspark_kernels.model.geometry.window_key_rows`); -1 = none
+                        (:func:`window_key_rows`); -1 = none
 ``entry_rows[pool]``    [rows, Vmax] int64 physical rows of every visible compressed entry of each query row
                         through its request's table, for ``hca_cmp`` (HCA's dense entries) and ``idx`` (the
-                        lightning indexer's candidates): :func:`~dspark_kernels.model.geometry.visible_entry_rows`;
+                        lightning indexer's candidates): :func:`visible_entry_rows`;
                         :meth:`entry_rows_in` trims a row range to its widest count
 ``state_windows[pool]`` the boundary rows of each compressor state pool (``csa_state``, ``csa_inner_state``,
                         ``hca_state``) and the state rows [B, span] of their windows (:class:`StateWindows`)
@@ -42,12 +42,10 @@ import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
 from dspark_abi.config import LayerKind
-from dspark_abi.layout import visible_entries
+from dspark_abi.layout import physical_rows, visible_entries
 from dspark_kernels.model.geometry import (
     INDEX_RATIO,
     boundary_rows,
-    visible_entry_rows,
-    window_key_rows,
     window_start_positions,
     window_state_rows,
 )
@@ -61,6 +59,29 @@ Run = tuple[int, int, int]
 def compress_ratios(config: ModelConfig) -> tuple[int, ...]:
     """The compress ratios of the ABI's compressed pools (4 and 128), ascending."""
     return tuple(sorted({pl.ratio for pl in config.layout if pl.ratio}))
+
+
+def window_key_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarray, window: int,
+                    page_size: int) -> np.ndarray:
+    """[T, W] int64 physical ``ori`` rows of every query's sliding window, oldest first (the ori pool is a ring).
+
+    positions, request: [T] int (-1 = padding row); ori_table [R, width] int32. With ``v = min(W, p + 1)``,
+    column k < v holds the row of key position ``p + 1 - v + k``; columns >= v, padding rows and unmapped pages
+    hold -1. Isolation comes from reading the query's own request's table row; causality from keys <= p.
+    """
+    p = np.asarray(positions, dtype=np.int64)[:, None]                   # (T, 1)
+    k = np.arange(window, dtype=np.int64)[None, :]                       # (1, W)
+    visible = np.minimum(window, p + 1)                                  # (T, 1)
+    key_pos = np.where(k < visible, p + 1 - visible + k, -1)             # (T, W)
+    rows = physical_rows(ori_table, request, key_pos, page_size, ring=True)
+    return np.where(k < visible, rows, -1)
+
+
+def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray, page_size: int) -> np.ndarray:
+    """[T, Vmax] int64 physical rows of the compressed entries ``c < visible[t]`` through each row's own request's
+    table (visible: [T] counts, 0 on padding rows; Vmax = max(visible)); -1 beyond a row's count or unmapped."""
+    c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
+    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

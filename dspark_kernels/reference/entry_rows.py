@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_abi.layout import KV_PAGE_SIZE, physical_rows
-from dspark_kernels.model import geometry
+from dspark_kernels.model import plan
 
 
 def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray,
@@ -22,7 +22,7 @@ def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarr
     """[T, Vmax] int64 rows of entries ``c < visible[t]`` (visible: [T] counts, 0 on padding rows); -1 beyond.
 
     A forward reads these rows from its plan (``BatchPlan.entry_rows``, computed once per batch)."""
-    return geometry.visible_entry_rows(visible, request, table, page_size)
+    return plan.visible_entry_rows(visible, request, table, page_size)
 
 
 def chosen_entry_rows(entries: np.ndarray, request: np.ndarray, table: np.ndarray,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_abi.layout import KV_PAGE_SIZE
-from dspark_kernels.model.geometry import window_key_rows
+from dspark_kernels.model.plan import window_key_rows
 
 
 def window_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarray, window: int,
