@@ -17,7 +17,7 @@ from dspark_abi.presets import TINY
 PACKAGE = Path(dspark_kernels.__file__).parent
 #: The prefill attention stages: one module of this name in each backend.
 STAGES = {"lowering", "projections", "paged", "window", "compressor", "indexer", "entry_rows", "sparse_attention",
-          "o_proj", "attention"}
+          "o_proj", "attention", "backend"}
 #: Modules of a backend that are not stages.
 HELPERS = {"reference": {"__init__", "tiling"},
            "pypto": {"__init__", "_ops", "runtime", "isolate", "index_guard", "errors"}}
@@ -84,6 +84,59 @@ def test_no_kernel_module_rederives_row_ownership_or_visibility():
                 plus_one = (isinstance(left, ast.BinOp) and isinstance(left.op, ast.Add)
                             and isinstance(left.right, ast.Constant) and left.right.value == 1)
                 assert not plus_one, (where, ast.unparse(node))
+
+
+# ---------------------------------------------------------------------------------------------- the backends
+def _protocol_methods(protocol: type) -> list[str]:
+    return sorted(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_"))
+
+
+@pytest.mark.parametrize("protocol_name, classes", [
+    ("Backend", [("dspark_kernels.reference.backend", "ReferenceBackend"),
+                 ("dspark_kernels.pypto.backend", "PyptoBackend")]),
+    ("AttentionStages", [("dspark_kernels.reference.attention", "ReferenceStages"),
+                         ("dspark_kernels.pypto.attention", "PyptoStages")]),
+])
+def test_both_backends_implement_every_stage_with_the_protocols_signature(protocol_name, classes):
+    import importlib
+    import inspect
+
+    from dspark_kernels.model import backends
+
+    protocol = getattr(backends, protocol_name)
+    methods = _protocol_methods(protocol)
+    assert methods, protocol_name
+    for module, name in classes:
+        cls = getattr(importlib.import_module(module), name)
+        for method in methods:  # identical parameters, defaults and annotations
+            assert inspect.signature(getattr(cls, method)) == inspect.signature(getattr(protocol, method)), \
+                (name, method)
+    if protocol_name == "AttentionStages":
+        assert all(isinstance(getattr(importlib.import_module(m), n).query_block, int) for m, n in classes)
+
+
+def test_the_registry_resolves_every_backend_by_name():
+    from dspark_kernels.model.backends import BACKENDS, REGISTRY, resolve_backend
+
+    assert tuple(REGISTRY) == BACKENDS
+    for name in BACKENDS:
+        backend = resolve_backend(name, "a2a3")
+        assert type(backend).__name__ == REGISTRY[name][1]
+        assert type(backend).__module__ == REGISTRY[name][0]
+
+
+def test_one_attention_orchestrator():
+    """Only the model layer's ``run_attention`` calls the stages in order: no backend module calls two KV-side
+    stages in one function (the hand-written orchestrators are gone)."""
+    kv_side = {"shared_kv", "run_shared_kv", "compress", "compress_into", "compress_index_keys"}
+    query_side = {"sparse_attention", "run_sparse_attention"}
+    for path, tree in _sources():
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            called = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+                      for c in ast.walk(func) if isinstance(c, ast.Call)}
+            both = bool(called & kv_side) and bool(called & query_side)
+            assert not both or (path.name, func.name) == ("backends.py", "run_attention") or \
+                (path.name, func.name) == ("backends.py", "_query_block"), (path.relative_to(PACKAGE), func.name)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -179,3 +232,17 @@ def test_no_kernel_module_keys_state_by_object_identity():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id != "id", (path.relative_to(PACKAGE), ast.unparse(node))
+
+
+def test_a_prefill_checks_its_caches_once(monkeypatch):
+    from dspark_kernels.api import prefill
+    from dspark_kernels.model.caches import ModelCaches
+    from dspark_kernels.model.weights import ModelWeights
+
+    batch = _batch(1)
+    calls = []
+    check = ModelCaches.issues_for
+    monkeypatch.setattr(ModelCaches, "issues_for", lambda self, *a: calls.append(1) or check(self, *a))
+    prefill(batch, batch.token_ids.astype(np.int64), ModelWeights.random(TINY, 0),
+            ModelCaches.allocate(TINY, batch.pool_blocks), layers=[0])
+    assert len(calls) == 1
