@@ -243,6 +243,6 @@ def test_a_prefill_checks_its_caches_once(monkeypatch):
     calls = []
     check = ModelCaches.issues_for
     monkeypatch.setattr(ModelCaches, "issues_for", lambda self, *a: calls.append(1) or check(self, *a))
-    prefill(batch, batch.token_ids.astype(np.int64), ModelWeights.random(TINY, 0),
+    prefill(batch, np.full(batch.padded_rows, batch.policy.pad_token_id, np.int64), ModelWeights.random(TINY, 0),
             ModelCaches.allocate(TINY, batch.pool_blocks), layers=[0])
     assert len(calls) == 1
