@@ -3,6 +3,9 @@ bf16/int8 numerics) and deepseek (DeepSeek's official inference: bf16, FP8 / FP4
 
 Prints, for every pair of precisions (distance of the first from the second, relative to the second):
 
+Weights are random, in the shipped formats (FP8 attention projections, FP4 experts: precision deepseek quantises
+the inputs of the Linears whose weights are stored so, as the official inference does).
+
 1. TINY, a whole prefill of three requests (150, 37 and 260 tokens from position 0, random weights): per-row
    relative L2 distance of the final hidden rows (median, max), of the sampled rows' logits, and the fraction
    of sampled rows whose greedy token agrees.
@@ -30,6 +33,7 @@ import contextlib
 import itertools
 import json
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
@@ -47,6 +51,7 @@ from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import PRECISIONS, check_precision, narrow
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.rope import rope_at
+from dspark_kernels.model.synthetic import write_checkpoint
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.reference.indexer import index_query, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query
@@ -112,7 +117,7 @@ def attention_figures(config: ModelConfig, layer: int, requests: dict[int, int],
     """One layer on the same input rows in every precision: output distances and top-k agreement per pair."""
     batch = build(config, requests)
     x = hidden_rows(batch)
-    weights = AttentionWeights.random(config, layer, seed=seed)
+    weights = AttentionWeights.random(config, layer, seed=seed, stored="shipped")   # FP8 projections, as shipped
     prepared = PreparedWeightsCache()
     live = batch.row_request >= 0
     outs, tops = {}, {}
@@ -140,8 +145,14 @@ def attention_figures(config: ModelConfig, layer: int, requests: dict[int, int],
 
 
 def forward_figures(seed: int = 0) -> dict:
-    """A whole TINY prefill in every precision: hidden / logits distances and greedy agreement per pair."""
-    weights = ModelWeights.random(TINY, seed)
+    """A whole TINY prefill in every precision: hidden / logits distances and greedy agreement per pair, on a
+    checkpoint in the shipped formats (FP8 attention projections, FP4 experts), so deepseek runs its FP8 GEMMs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = ModelWeights.from_safetensors(write_checkpoint(tmp, TINY, seed=seed), TINY, keep_layers=True)
+        return _forward_figures(weights)
+
+
+def _forward_figures(weights: ModelWeights) -> dict:
     res = {}
     for precision in PRECISIONS:
         batch = build(TINY, TINY_REQUESTS)

@@ -21,10 +21,11 @@ import numpy as np
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.ranks import merge_rank_arrays
 from dspark_abi.validation import subclass_issue, validate_arrays
 
@@ -271,26 +272,22 @@ class PackedBatch(BatchGeometry):
             validator(arrays).raise_if_invalid()
         token = _ALREADY_VALIDATED.set(True)  # the arrays were just checked; freezing copies them unchanged
         try:
-            return cls(
-                config=config, policy=policy, pool_blocks=pool_blocks,
-                query_start_loc=arrays["query_start_loc"], positions=arrays["positions"],
-                tables=RequestTables(**{p: arrays[f] for p, f in TABLE_FIELDS.items()}),
-                slots=SlotMappings(**{p: arrays[f] for p, f in SLOT_FIELDS.items()}),
-                request_ids=arrays.get("request_ids"), token_ids=arrays.get("token_ids"),
-                logit_rows=arrays.get("logit_rows"),
-            )
+            # every declared field: a per-pool one into its container, any other into its attribute
+            own: dict[str, Any] = {f.name: arrays[f.name] if f.required else arrays.get(f.name)
+                                   for f in BATCH_FIELDS if f.family is None}
+            return cls(config=config, policy=policy, pool_blocks=pool_blocks,
+                       tables=RequestTables(**{p: arrays[f.name] for p, f in TABLE_SPECS.items()}),
+                       slots=SlotMappings(**{p: arrays[f.name] for p, f in SLOT_SPECS.items()}), **own)
         finally:
             _ALREADY_VALIDATED.reset(token)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Flat ABI field name -> array (the names fixture files use)."""
-        out: dict[str, np.ndarray] = {"query_start_loc": self.query_start_loc, "positions": self.positions}
-        out.update({TABLE_FIELDS[p]: a for p, a in self.tables.items()})
-        out.update({SLOT_FIELDS[p]: a for p, a in self.slots.items()})
-        for name in ("request_ids", "token_ids", "logit_rows"):
-            value = getattr(self, name)
+        out: dict[str, np.ndarray] = {}
+        for f in BATCH_FIELDS:     # in ABI order; absent optional fields are left out
+            value = getattr(self, f.name) if f.family is None else getattr(self, f.family)[f.pool]
             if value is not None:
-                out[name] = value
+                out[f.name] = value
         return out
 
     # ------------------------------------------------------------------ geometry (R, N, P, L: BatchGeometry)

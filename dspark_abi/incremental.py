@@ -49,8 +49,10 @@ One step, per tracked pool
 Costs of a valid step: O(R + P + fresh pages + departing pages + overlap cells), where the overlap cells are one
 vectorized compare of the table cells both steps read (no sort, no gather over them, no per-page or per-request
 Python). Blocks shared read-only by several requests (prefix sharing) cost nothing extra, where the full
-validator falls back to its exact owner map. Memory: 20 bytes per block of each tracked pool, once (zero pages:
-untouched blocks cost no RAM). Pools with more than :data:`MAX_TRACKED_BLOCKS` blocks are not tracked (their
+validator falls back to its exact owner map. Memory: 20 bytes per block of each tracked pool, allocated as the
+blocks in use reach them (up to the highest block id referenced, doubling), so a validator over huge pools reserves
+nothing up front; if that state cannot grow (``MemoryError``), the validator stops tracking and checks every pool
+exactly from then on (the same reports). Pools with more than :data:`MAX_TRACKED_BLOCKS` blocks are not tracked (their
 dense arrays would outweigh the pool tables). If the handle sums could ever overflow int64 (or a count int32;
 never at realistic sizes) the step is validated in full and the state reset, as after any exception inside a
 step. Each call holds the validator's lock, but the steps of one loop must come in order: one validator per
@@ -107,18 +109,40 @@ class _Overflow(Exception):
 
 
 class _BlockRefs:
-    """count / sum / sumsq of the handles of the live-page references to every block of one pool."""
+    """count / sum / sumsq of the handles of the live-page references to every block of one pool.
+
+    The arrays cover blocks ``[0, capacity)`` and grow (doubling, at most to the pool's block count) when a block
+    beyond them is referenced or looked up, so their memory follows the highest block in use, not the pool's
+    size: a validator over the largest legal pools reserves nothing up front. Blocks beyond them have no reference.
+    """
+
+    #: Blocks covered by the first allocation.
+    FIRST_CAPACITY = 1024
 
     def __init__(self, n_blocks: int):
-        self.count = np.zeros(n_blocks, dtype=np.int32)
-        self.sum = np.zeros(n_blocks, dtype=np.int64)
-        self.sumsq = np.zeros(n_blocks, dtype=np.int64)
+        self.n_blocks = n_blocks
+        self.count = np.zeros(0, dtype=np.int32)
+        self.sum = np.zeros(0, dtype=np.int64)
+        self.sumsq = np.zeros(0, dtype=np.int64)
         self.total = 0      # references held (bounds every count)
+
+    def cover(self, blocks: np.ndarray) -> None:
+        """Grow the arrays to cover ``blocks`` (each in ``[0, n_blocks)``); MemoryError when that cannot be done."""
+        need = int(blocks.max(initial=-1)) + 1
+        have = self.count.size
+        if need <= have:
+            return
+        size = min(self.n_blocks, max(need, 2 * have, self.FIRST_CAPACITY))
+        grown = [np.zeros(size, dtype=a.dtype) for a in (self.count, self.sum, self.sumsq)]
+        for new, old in zip(grown, (self.count, self.sum, self.sumsq), strict=True):
+            new[:have] = old
+        self.count, self.sum, self.sumsq = grown
 
     def apply(self, blocks: np.ndarray, handles: np.ndarray, sign: int) -> None:
         """Add (sign 1) or remove (sign -1) one reference per (block, handle) pair."""
         if blocks.size == 0:
             return
+        self.cover(blocks)
         np.add.at(self.count, blocks, np.int32(sign))
         np.add.at(self.sum, blocks, sign * handles)
         np.add.at(self.sumsq, blocks, sign * handles * handles)
@@ -126,6 +150,7 @@ class _BlockRefs:
 
     def owner(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(references, single owner handle or -1 when mixed) of each block; the owner is 0 when unreferenced."""
+        self.cover(blocks)
         c = self.count[blocks].astype(np.int64)
         s, q = self.sum[blocks], self.sumsq[blocks]
         h = s // np.maximum(c, 1)
@@ -211,6 +236,7 @@ class StepValidator:
             self._blocks = None        # every step reports the pools.blocks issue (validate_arrays' shape level)
         self._lock = threading.Lock()
         self._refs: dict[PoolName, _BlockRefs] = {}
+        self._untracked = False    # True once per-block state could not be allocated (every pool checked exactly)
         self._accepted: _Accepted | None = None
         self.last_stats = StepStats()
         self.reset()
@@ -224,7 +250,7 @@ class StepValidator:
         self._accepted = None
         blocks = self._blocks
         ring = self.ring_pools == "tracked"
-        self._refs = {} if blocks is None else {
+        self._refs = {} if blocks is None or self._untracked else {
             p: _BlockRefs(blocks[p]) for p in POOL_NAMES
             if blocks[p] <= MAX_TRACKED_BLOCKS and (ring or not self._layout.pools[p].is_ring)}
 
@@ -249,6 +275,9 @@ class StepValidator:
                 return self._step(arrays, self._blocks, hidden)
             except _Overflow:
                 self._reset()
+                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden)
+            except MemoryError:  # a pool's per-block state cannot grow: check every pool exactly from now on
+                self._refs, self._accepted, self._untracked = {}, None, True
                 return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden)
 
     # ------------------------------------------------------------------ one step (shapes known to be right)
@@ -469,6 +498,7 @@ class StepValidator:
         """The owners ``rules._check_slots`` looks written blocks up in, once none is foreign: each referenced
         written block is owned by its writer alone."""
         blk, writer = self._written(pl, slot, n_blocks, row_request)
+        refs.cover(blk)
         used = refs.count[blk] > 0
         blk, writer = blk[used], writer[used]
         uniq, at = np.unique(blk, return_index=True)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from dspark_abi._base import StrictModel, align_up
+from dspark_abi.config import issues_from_pydantic
+from dspark_abi.errors import ABIError
 
 #: Upstream's group capacity (the token all-gather window holds 8192 rows).
 DEFAULT_TOKEN_CAP = 8192
@@ -18,6 +20,29 @@ class PaddingPolicy(StrictModel):
     The N live tokens are padded to ``P = align_up(N, tp_size)`` rows so that every rank owns
     ``L = P / tp_size`` contiguous rows. Rows ``N..P-1`` are padding rows.
     """
+
+    # An invalid value or combination raises ABIError with one config.invalid issue per problem (field
+    # "PaddingPolicy:<key>"), from the constructor and model_validate(_json) alike; a policy nested in a manifest
+    # is checked by the manifest's own validation. (Not in the docstring: that is the JSON Schema's description.)
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ABIError(issues_from_pydantic(exc, prefix="PaddingPolicy")) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> PaddingPolicy:
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise ABIError(issues_from_pydantic(exc, prefix="PaddingPolicy")) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: Any, **kwargs: Any) -> PaddingPolicy:
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            raise ABIError(issues_from_pydantic(exc, prefix="PaddingPolicy")) from None
 
     tp_size: int = Field(default=1, ge=1, le=64)
     """Ranks in the TP group (TP); rank r owns rows [r*L, (r+1)*L)."""

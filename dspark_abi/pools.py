@@ -1,4 +1,4 @@
-"""The seven pools as ABI fields: their array names and `PoolBlocks`, the physical block count of each.
+"""The seven pools' `PoolBlocks`, the physical block count of each (their field names: :mod:`dspark_abi.fields`).
 
 Below :mod:`dspark_abi.batch`: the validator, the allocator and the fixture manifest use these without the
 batch types.
@@ -13,12 +13,10 @@ import attrs
 import numpy as np
 
 from dspark_abi.errors import ABIError, Issue
+from dspark_abi.fields import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.layout import MAX_POOL_BLOCKS, PAGE_SIZES, POOL_NAMES, PoolName
 
-#: Flat ABI field name of each pool's block table (``[R, width] int32``).
-TABLE_FIELDS: dict[PoolName, str] = {p: f"{p}_block_table" for p in POOL_NAMES}
-#: Flat ABI field name of each pool's slot mapping (``[P] int64``).
-SLOT_FIELDS: dict[PoolName, str] = {p: f"{p}_slot_mapping" for p in POOL_NAMES}
+__all__ = ["SLOT_FIELDS", "TABLE_FIELDS", "PoolBlocks", "block_count_issue"]  # the field names: dspark_abi.fields
 
 
 def _block_count(value: Any) -> Any:

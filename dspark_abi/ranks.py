@@ -8,21 +8,28 @@ from typing import Any
 import numpy as np
 
 from dspark_abi.errors import ABIError, Issue
+from dspark_abi.fields import BATCH_FIELDS
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.validation import subclass_issue
 
-#: Fields a per-rank entry carries with all P (or R) rows, identical on every rank of the group.
-REPLICATED = ("query_start_loc", "positions_full", "request_ids", "logit_rows")
-#: Rank-local fields ([TP, L]) and the full field each one slices.
-LOCAL = {"positions_local": "positions_full", "token_ids_local": "token_ids"}
+#: Fields a per-rank entry carries with all their rows, identical on every rank of the group (per-rank form names).
+REPLICATED: tuple[str, ...] = tuple(f.per_rank_name for f in BATCH_FIELDS if f.scope == "replicated")
+#: Rank-local fields ([TP, L]) and the full field each one slices (per-rank form names).
+LOCAL: dict[str, str] = {f.local: f.per_rank_name for f in BATCH_FIELDS if f.local is not None}
+#: Flat field name -> its name in the per-rank form, where the two differ (``positions`` -> ``positions_full``).
+_PER_RANK_NAME: dict[str, str] = {f.name: f.per_rank_name for f in BATCH_FIELDS if f.per_rank_name != f.name}
+_FLAT_NAME: dict[str, str] = {v: k for k, v in _PER_RANK_NAME.items()}
+#: Flat names of the fields a per-rank entry carries only as rank slices (``token_ids``: ``token_ids_local``).
+_ONLY_LOCAL = frozenset(f.name for f in BATCH_FIELDS if f.scope == "rank_local")
 
 
 def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dict[str, np.ndarray]:
     """Check and collapse ``[TP, ...]`` per-rank arrays into flat group arrays (rank 0's copy).
 
-    Replicated fields: ``query_start_loc``, ``positions_full`` (or ``positions``; both only if equal), every
-    ``*_block_table`` and ``*_slot_mapping`` (the ``_full`` ones), ``request_ids``, ``logit_rows``.
-    Local fields: ``positions_local`` [TP, L] and ``token_ids_local`` [TP, L] must equal rank r's
+    Replicated fields (:data:`REPLICATED`, from the field declarations): ``query_start_loc``, ``positions_full``
+    (or ``positions``; both only if equal), every ``*_block_table`` and ``*_slot_mapping`` (the ``_full`` ones),
+    ``request_ids``, ``logit_rows``.
+    Local fields (:data:`LOCAL`): ``positions_local`` [TP, L] and ``token_ids_local`` [TP, L] must equal rank r's
     rows ``[r*L, (r+1)*L)`` of ``positions_full`` / ``token_ids`` (``token_ids`` may be given only locally).
     """
     tp = policy.tp_size
@@ -38,7 +45,7 @@ def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dic
             differ = np.flatnonzero((alias != full_positions).reshape(-1))
             row = int(differ[0]) % full_positions.shape[-1] if full_positions.ndim else None
             issues.append(_positions_twice(row, f"{differ.size} entries differ", int(differ.size)))
-    arrays = {("positions_full" if k == "positions" else k): np.asarray(v) for k, v in per_rank.items()}
+    arrays = {_PER_RANK_NAME.get(k, k): np.asarray(v) for k, v in per_rank.items()}
     merged: dict[str, np.ndarray] = {}
     for name, value in arrays.items():
         if name in LOCAL:
@@ -54,14 +61,16 @@ def merge_rank_arrays(per_rank: Mapping[str, Any], policy: PaddingPolicy) -> dic
             issues.append(Issue("rank.replicated_mismatch", name, f"rank {r} differs from rank 0",
                                 index=int(at[0]) if at.size else None, expected="identical on every rank",
                                 actual=f"ranks {differs}", count=len(differs)))
-        merged["positions" if name == "positions_full" else name] = value[0]
-    if "token_ids" not in merged and "token_ids_local" in arrays:
-        merged["token_ids"] = arrays["token_ids_local"].reshape(-1)
+        merged[_FLAT_NAME.get(name, name)] = value[0]
+    for local, full in LOCAL.items():    # a rank-local field given only as rank slices: their concatenation
+        flat = _FLAT_NAME.get(full, full)
+        if flat in _ONLY_LOCAL and flat not in merged and local in arrays:
+            merged[flat] = arrays[local].reshape(-1)
     for local, full in LOCAL.items():
         if local not in arrays:
             continue
         loc = arrays[local]
-        source = merged.get("positions" if full == "positions_full" else full)
+        source = merged.get(_FLAT_NAME.get(full, full))
         if source is None or loc.ndim != 2 or loc.shape[0] != tp:
             if source is not None:
                 issues.append(Issue("array.shape", local, "needs shape [TP, L]", expected=f"[{tp}, L]",
@@ -91,9 +100,7 @@ def _positions_twice(row: int | None, actual: str, count: int) -> Issue:
 def split_rank_arrays(arrays: Mapping[str, np.ndarray], policy: PaddingPolicy) -> dict[str, np.ndarray]:
     """The inverse: group arrays -> per-rank host arrays with a leading rank axis."""
     tp = policy.tp_size
-    out = {("positions_full" if k == "positions" else k): np.stack([v] * tp) for k, v in arrays.items()
-           if k != "token_ids"}
-    out["positions_local"] = np.array(arrays["positions"]).reshape(tp, -1)
-    if "token_ids" in arrays:
-        out["token_ids_local"] = np.array(arrays["token_ids"]).reshape(tp, -1)
+    out = {_PER_RANK_NAME.get(k, k): np.stack([v] * tp) for k, v in arrays.items() if k not in _ONLY_LOCAL}
+    out |= {f.local: np.array(arrays[f.name]).reshape(tp, -1) for f in BATCH_FIELDS
+            if f.local is not None and f.name in arrays}
     return out

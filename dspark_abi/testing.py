@@ -28,9 +28,10 @@ from dspark_abi.allocator import BlockAllocator
 from dspark_abi.batch import PackedBatch
 from dspark_abi.builder import BatchBuilder
 from dspark_abi.config import ModelConfig
+from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, TABLE_FIELDS, FieldSpec
 from dspark_abi.layout import POOL_NAMES, PoolName, table_column, touched_pages
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.presets import TINY
 
 TP_SIZES = (1, 2, 4, 8)
@@ -136,18 +137,28 @@ def _m_qsl_token_count(a: Arrays, b: PackedBatch, rng: np.random.Generator) -> E
     return {}
 
 
+def _declared(a: Arrays, rng: np.random.Generator, rows: tuple[str, ...] | None = None,
+              required: bool = False) -> FieldSpec:
+    """A random declared field the arrays carry (1-D with a leading ``rows`` symbol / required, when asked)."""
+    pick = [f for f in BATCH_FIELDS if f.name in a and (rows is None or (f.ndim == 1 and f.shape[0] in rows))
+            and (f.required or not required)]
+    return pick[int(rng.integers(len(pick)))]
+
+
 def _m_geometry_rows(a: Arrays, b: PackedBatch, rng: np.random.Generator) -> Extra:
-    a["positions"] = np.append(a["positions"], np.int32(0))
+    f = _declared(a, rng, rows=("P", "R"))      # any declared per-row or per-request field, one entry too many
+    a[f.name] = np.append(a[f.name], a[f.name][:1])
     return {}
 
 
 def _m_dtype(a: Arrays, b: PackedBatch, rng: np.random.Generator) -> Extra:
-    a["positions"] = a["positions"].astype(np.int64)
+    f = _declared(a, rng)                       # any declared field, as the other integer width
+    a[f.name] = a[f.name].astype(np.int64 if f.dtype == "int32" else np.int32)
     return {}
 
 
 def _m_missing(a: Arrays, b: PackedBatch, rng: np.random.Generator) -> Extra:
-    del a[TABLE_FIELDS[POOL_NAMES[int(rng.integers(7))]]]
+    del a[_declared(a, rng, required=True).name]
     return {}
 
 

@@ -18,8 +18,10 @@ dspark's ring tables (ori, state pools) hold page i in column ``i % width``, its
 as narrow as the batch's widest live range, as ``BatchBuilder`` emits them. Both directions move each request's
 live pages (spec 5.3) and nothing else (dspark leaves the other entries unconstrained, K2), plus the compressed rows
 of zero-length requests as they are (a ring row of such a request cannot be unwrapped: it has no position; it
-comes back -1, as the builder writes it). So ``from_upstream(to_upstream(b)) == b`` for builder batches; absent
-``logit_rows`` come back as R times -1.
+comes back -1, as the builder writes it). So ``from_upstream(to_upstream(b)) == b`` for the builder's default
+(``ring_width="step"``) batches, and ``from_upstream(to_upstream(b), ring_widths="fixed") == b`` for its
+``ring_width="fixed"`` batches: a linear table does not carry the ring width (both builder modes give the same
+upstream tensors), so the caller names it. Absent ``logit_rows`` come back as R times -1.
 
 **State rings.** Upstream's fixtures share a 260-block CSA state ring (page 2) between request slots:
 ``utils.block_table`` maps page c of the request in table row r to ``((c % 260) * slots + r) % 260`` (slots = 2 in
@@ -34,7 +36,7 @@ row's last write is no way out: the batch would still alias live pages (R26) and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -42,10 +44,11 @@ import numpy as np
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
+from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
 from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_pages, ring_width_for, table_column, touched_pages
 from dspark_abi.lowering import query_start_loc_issues
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.ranks import merge_rank_arrays
 from dspark_abi.validation import subclass_issue
 
@@ -62,29 +65,32 @@ UPSTREAM_TABLE_DEPTHS: dict[PoolName, int] = {
 #: MoE wave; pypto-lib's ``lm_head.MAX_LOGIT_ROWS`` has changed between releases, so it is a parameter).
 UPSTREAM_MAX_LOGIT_ROWS = 128
 
-#: Upstream name of each pool's block table and slot mapping (``prefill_fwd``'s parameters).
-UPSTREAM_TABLES: dict[PoolName, str] = {p: f"{p}_block_table" for p in POOL_NAMES} | {
-    p: f"{p.removesuffix('_state')}_compress_state_block_table" for p in ("csa_state", "csa_inner_state", "hca_state")}
-UPSTREAM_SLOTS: dict[PoolName, str] = {p: f"{p}_slot_mapping_full" for p in POOL_NAMES} | {
-    "idx": "csa_idx_slot_mapping_full"}
-_T, _S, _I32, _I64 = UPSTREAM_TABLES, UPSTREAM_SLOTS, np.dtype(np.int32), np.dtype(np.int64)
+#: Upstream name of each pool's block table and slot mapping (``prefill_fwd``'s parameters; declared with the fields).
+UPSTREAM_TABLES: dict[PoolName, str] = {p: str(f.upstream) for p, f in TABLE_SPECS.items()}
+UPSTREAM_SLOTS: dict[PoolName, str] = {p: str(f.upstream) for p, f in SLOT_SPECS.items()}
+_T, _S = UPSTREAM_TABLES, UPSTREAM_SLOTS
+#: Upstream tensor -> (the dspark field it carries, upstream's shape of one TP group with its rank axis).
+_UPSTREAM_OF = {f.upstream: f for f in BATCH_FIELDS if f.upstream} | {
+    f.upstream_local: f for f in BATCH_FIELDS if f.upstream_local}
+_UPSTREAM_SHAPE = {"query_start_loc": "[TP, R+1]", "position_ids_local": "[TP, L]", "input_ids": "[TP, L]",
+                   "logit_row_indices": "[TP, MAX_LOGIT_ROWS]"}
 #: The metadata tensors of ``l3_prefill_fwd``, in its parameter order: name -> (dtype, shape of one TP group).
 UPSTREAM_TENSORS: dict[str, tuple[np.dtype[Any], str]] = {
-    "query_start_loc": (_I32, "[TP, R+1]"),
-    **{_T[p]: (_I32, "[TP, R, depth]") for p in ("hca_state", "csa_state", "csa_inner_state", "ori", "hca_cmp",
-                                                 "csa_cmp", "idx")},
-    _S["ori"]: (_I64, "[TP, P]"), "position_ids_local": (_I32, "[TP, L]"), "position_ids_full": (_I32, "[TP, P]"),
-    "input_ids": (_I64, "[TP, L]"),
-    **{_S[p]: (_I64, "[TP, P]") for p in ("hca_cmp", "hca_state", "csa_cmp", "idx", "csa_state", "csa_inner_state")},
-    "logit_row_indices": (_I32, "[TP, MAX_LOGIT_ROWS]"),
+    name: (np.dtype(_UPSTREAM_OF[name].dtype),
+           _UPSTREAM_SHAPE.get(name, "[TP, R, depth]" if _UPSTREAM_OF[name].family == "tables" else "[TP, P]"))
+    for name in ("query_start_loc",
+                 *(_T[p] for p in ("hca_state", "csa_state", "csa_inner_state", "ori", "hca_cmp", "csa_cmp", "idx")),
+                 _S["ori"], "position_ids_local", "position_ids_full", "input_ids",
+                 *(_S[p] for p in ("hca_cmp", "hca_state", "csa_cmp", "idx", "csa_state", "csa_inner_state")),
+                 "logit_row_indices")
 }
+#: The field upstream publishes from the group leader only (see _leader_logit_rows), not as a replicated tensor.
+_LEADER_ONLY = "logit_rows"
 #: Per-rank dspark field (:mod:`dspark_abi.ranks`) -> upstream tensor; with the flat aliases, names issues.
-_PER_RANK = {"query_start_loc": "query_start_loc", "positions_full": "position_ids_full",
-             "positions_local": "position_ids_local", "token_ids_local": "input_ids"}
-_PER_RANK |= {TABLE_FIELDS[p]: _T[p] for p in POOL_NAMES} | {SLOT_FIELDS[p]: _S[p] for p in POOL_NAMES}
-_UPSTREAM_NAME = _PER_RANK | {"positions": "position_ids_full", "token_ids": "input_ids",
-                              "logit_rows": "logit_row_indices"}
-
+_PER_RANK = {f.per_rank_name: f.upstream for f in BATCH_FIELDS if f.upstream and f.name != _LEADER_ONLY} | {
+    f.local: f.upstream_local for f in BATCH_FIELDS if f.local and f.upstream_local}
+_UPSTREAM_NAME = _PER_RANK | {f.name: f.upstream or f.upstream_local for f in BATCH_FIELDS
+                              if f.upstream or f.upstream_local}
 
 def table_depths(config: ModelConfig) -> dict[PoolName, int]:
     """The config's own table widths: the depths of an upstream build compiled for its ``max_position_embeddings``
@@ -135,7 +141,8 @@ def to_upstream(batch: PackedBatch, *, depths: Mapping[str, int] | None = None,
 
 def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
                   pool_blocks: Mapping[str, int] | PoolBlocks, *, depths: Mapping[str, int] | None = None,
-                  ring_widths: Mapping[str, int] | None = None, request_ids: Any = None) -> PackedBatch:
+                  ring_widths: Mapping[str, int] | Literal["step", "fixed"] | None = None,
+                  request_ids: Any = None) -> PackedBatch:
     """Check upstream prefill metadata (one TP group, the form :func:`to_upstream` returns) and convert it.
 
     Checks, in order, each raising :class:`ABIError` with every issue of its stage (issues name the upstream
@@ -144,8 +151,10 @@ def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: Paddi
     ``logit_row_indices``); per request with new tokens, ``upstream.past_span`` (a page mapped after its last
     live page), ``upstream.state_ring_overwrite`` and ``padding.token_id`` (input_ids not 0 on padding rows). Then
     the live pages move into dspark's tables, each as wide as the widest live range (ring pools: or
-    ``ring_widths[pool]`` columns, any width >= the requests' live pages, e.g. ``ring_width``), and the arrays are
-    validated as ``PackedBatch.from_arrays`` does. Extra tensors (weights, caches) are ignored.
+    ``ring_widths[pool]`` columns, any width >= the requests' live pages, e.g. ``ring_width``; ``"fixed"``:
+    every ring pool's ``PoolLayout.ring_width``, as ``BatchBuilder(ring_width="fixed")`` emits; ``"step"`` or None:
+    the default), and the arrays are validated as ``PackedBatch.from_arrays`` does. Extra tensors (weights,
+    caches) are ignored.
     """
     layout, tp = config.layout, policy.tp_size
     want = _depths(config, depths)
@@ -174,7 +183,7 @@ def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: Paddi
         token_ids[n:] = policy.pad_token_id
     out: dict[str, Any] = {"query_start_loc": qsl, "positions": flat["positions"], "token_ids": token_ids,
                            "logit_rows": logit_rows} | ({} if request_ids is None else {"request_ids": request_ids})
-    widths = dict(ring_widths or {})
+    widths = _ring_widths(config, ring_widths)
     for pl in layout:
         req, page = touched_pages(pl, start, end, config.sliding_window)
         width = max(1, int(live_pages(pl, start, end, config.sliding_window).max(initial=0)))
@@ -192,6 +201,19 @@ def from_upstream(tensors: Mapping[str, Any], config: ModelConfig, policy: Paddi
 
 
 # ------------------------------------------------------------------------------------------------ checks
+def _ring_widths(config: ModelConfig, ring_widths: Mapping[str, int] | str | None) -> dict[str, int]:
+    """Ring pool -> columns asked for (absent: the batch's widest live range)."""
+    if ring_widths is None or ring_widths == "step":
+        return {}
+    if ring_widths == "fixed":
+        return {pl.name: pl.ring_width for pl in config.layout if pl.is_ring}
+    if isinstance(ring_widths, str):
+        raise ABIError([Issue("config.invalid", "ring_widths", "ring_widths must be 'step', 'fixed' or a mapping "
+                              "pool -> columns", expected=["step", "fixed", "{pool: columns}"],
+                              actual=repr(ring_widths))])
+    return dict(ring_widths)
+
+
 def _depths(config: ModelConfig, depths: Mapping[str, int] | None) -> dict[PoolName, int]:
     want = {p: int((depths or UPSTREAM_TABLE_DEPTHS)[p]) for p in POOL_NAMES}
     width = table_depths(config)

@@ -17,13 +17,22 @@ import numpy as np
 
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.fields import BATCH_FIELDS, BY_NAME, SLOT_FIELDS, TABLE_FIELDS, FieldSpec
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.lowering import query_start_loc_issues
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.pools import PoolBlocks
 from dspark_abi.rules import check_deep
 
 Level = Literal["shape", "full"]
+#: The declaration of the hidden rows, a side input (checked here, not carried by the batch).
+HIDDEN = BY_NAME["hidden"]
+#: Per batch field, what the shape level checks, read from its declaration once: (declaration, numpy dtype,
+#: rank, the symbol of its row count when one-dimensional: "P" rows or "R" entries, else None).
+_SHAPE_RULES = tuple((f, np.dtype(f.dtype), f.ndim, f.shape[0] if f.ndim == 1 and f.shape[0] in ("P", "R") else None)
+                     for f in BATCH_FIELDS)
+#: query_start_loc's, checked first: it defines the geometry the other fields' row counts are checked against.
+_QSL_RULE = next(r for r in _SHAPE_RULES if r[0].name == "query_start_loc")
 
 #: Fix of ``qsl.token_count`` when N = 0 (the generic hint, "split the batch", is for N > token_cap).
 EMPTY_BATCH_FIX = ("add at least one request with new tokens (num_new >= 1): an empty batch has nothing to prefill; "
@@ -54,14 +63,18 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
         issues.extend(exc.issues)
         blocks = None
 
-    qsl = _array(arrays, "query_start_loc", np.int32, 1, issues)
+    qsl = _array(arrays, *_QSL_RULE[:3], issues)
     geometry = _check_qsl(qsl, policy, issues) if qsl is not None else None
     n_req = len(qsl) - 1 if qsl is not None and qsl.ndim == 1 and len(qsl) >= 2 else None
     rows = geometry[1] if geometry else None
-
-    positions = _array(arrays, "positions", np.int32, 1, issues, rows=rows)
-    tables = {p: _array(arrays, TABLE_FIELDS[p], np.int32, 2, issues) for p in POOL_NAMES}
-    slots = {p: _array(arrays, SLOT_FIELDS[p], np.int64, 1, issues, rows=rows) for p in POOL_NAMES}
+    # presence, dtype, rank and row count of every declared field, in ABI order (a table's request count and width
+    # are R11's and R12's, reported between the required and the optional fields, as ever)
+    count = {"P": rows, "R": n_req, None: None}
+    got = {f.name: _array(arrays, f, dtype, ndim, issues, rows=count[symbol])
+           for f, dtype, ndim, symbol in _SHAPE_RULES if f.required and f is not _QSL_RULE[0]}
+    positions = got["positions"]
+    tables = {p: got[TABLE_FIELDS[p]] for p in POOL_NAMES}
+    slots = {p: got[SLOT_FIELDS[p]] for p in POOL_NAMES}
     layout = config.layout
     for p, t in tables.items():
         if t is None or t.ndim != 2:
@@ -76,9 +89,9 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
                                 fix=f"give {TABLE_FIELDS[p]} at most {layout.pools[p].table_width} columns (ring "
                                     f"width {layout.pools[p].ring_width} for ring pools, the widest live range for "
                                     "compressed pools)"))
-    request_ids = _array(arrays, "request_ids", np.int64, 1, issues, rows=n_req, required=False)
-    token_ids = _array(arrays, "token_ids", np.int64, 1, issues, rows=rows, required=False)
-    logit_rows = _array(arrays, "logit_rows", np.int32, 1, issues, required=False)
+    got |= {f.name: _array(arrays, f, dtype, ndim, issues, rows=count[symbol])
+            for f, dtype, ndim, symbol in _SHAPE_RULES if not f.required}
+    request_ids, token_ids, logit_rows = got["request_ids"], got["token_ids"], got["logit_rows"]
     hidden_arr = None
     if isinstance(hidden, np.ndarray) and type(hidden) is not np.ndarray:
         issues.append(subclass_issue("hidden", hidden))
@@ -88,9 +101,9 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
             issues.append(Issue("array.dtype", "hidden", "hidden rows must be floating point",
                                 expected="float32 / bfloat16", actual=str(hidden_arr.dtype)))
             hidden_arr = None
-        elif hidden_arr.ndim < 2:
-            issues.append(Issue("array.shape", "hidden", "hidden rows must be [P, ...] with a feature axis",
-                                expected="[P, ...]", actual=list(hidden_arr.shape)))
+        elif hidden_arr.ndim < HIDDEN.ndim:     # its declared [P, ...]: at least a feature axis
+            issues.append(Issue("array.shape", "hidden", f"hidden rows must be {HIDDEN.shape_text()} with a feature "
+                                "axis", expected=HIDDEN.shape_text(), actual=list(hidden_arr.shape)))
             hidden_arr = None
         elif rows is not None and hidden_arr.shape[0] != rows:
             issues.append(Issue("geometry.rows", "hidden", "needs P rows", expected=rows, actual=hidden_arr.shape[0]))
@@ -115,24 +128,25 @@ def validate_arrays(arrays: Mapping[str, Any], config: ModelConfig, policy: Padd
     return ValidationReport(tuple(issues))
 
 
-def _array(arrays: Mapping[str, Any], name: str, dtype: Any, ndim: int, issues: list[Issue], *,
-           rows: int | None = None, required: bool = True) -> np.ndarray | None:
-    """Fetch one field, check dtype / rank / row count; None when absent or unusable."""
+def _array(arrays: Mapping[str, Any], spec: FieldSpec, dtype: np.dtype[Any], ndim: int, issues: list[Issue], *,
+           rows: int | None = None) -> np.ndarray | None:
+    """Fetch one field, check its declared dtype / rank and its row count; None when absent or unusable."""
+    name = spec.name
     if name not in arrays or arrays[name] is None:
-        if required:
+        if spec.required:
             issues.append(Issue("array.missing", name, "required field is absent", expected="present",
                                 actual="missing"))
         return None
     a = arrays[name]
     if not isinstance(a, np.ndarray):
-        issues.append(Issue("array.dtype", name, "must be a numpy array", expected=np.dtype(dtype).name,
+        issues.append(Issue("array.dtype", name, "must be a numpy array", expected=spec.dtype,
                             actual=type(a).__name__))
         return None
     if type(a) is not np.ndarray:  # a masked array hides entries from every rule; a matrix breaks indexing
         issues.append(subclass_issue(name, a))
         return None
     if a.dtype != dtype:
-        issues.append(Issue("array.dtype", name, "wrong dtype", expected=np.dtype(dtype).name, actual=a.dtype.name))
+        issues.append(Issue("array.dtype", name, "wrong dtype", expected=spec.dtype, actual=a.dtype.name))
         return None
     if a.ndim != ndim:
         code = "qsl.shape" if name == "query_start_loc" else "array.shape"

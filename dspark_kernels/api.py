@@ -49,10 +49,13 @@ class PrefillResult:
     hidden: [P, D] float32 final-norm hidden rows (padding rows zero).
     x_hc: [P, hc, D] float32 residual streams after the last layer run.
     logit_rows: [M] int32 group rows sampled (-1 inactive); logits: [M, V] float32; sampled: [M] int64 (-1 inactive).
-    target_hidden: [P, T * D] float32 (bf16 values with precision a2a3) or None: the DSpark drafter's target
-    hidden features, T = len(config.dspark_target_layers); slice k of a row is ``hc_head`` of the residual streams
-    after layer ``dspark_target_layers[k]`` (zero where that layer was not run, and on padding rows). Rank r's
-    share (upstream's ``dspark_target_hidden[r]``, [L, T * D]) is rows ``[r * L, (r + 1) * L)``.
+    target_hidden: [P, T * D] float32 (bf16 values with precisions a2a3 and deepseek) or None: the DSpark drafter's
+    target hidden features as DeepSeek defines them, T = len(config.dspark_target_layers); slice k of a row is the
+    **mean of the hc residual streams** after layer ``dspark_target_layers[k]`` (DeepSeek's ``h.mean(dim=2)``;
+    zero where that layer was not run, and on padding rows). Rank r's share is rows ``[r * L, (r + 1) * L)``.
+    target_hidden_hc_head: the same rows with ``hc_head`` of the streams instead of their mean: upstream
+    pypto-lib's ``dspark_target_hidden`` (rank r's share ``dspark_target_hidden[r]``), for comparison with it; not
+    what the drafter was trained on (docs/checkpoints.md section 6).
     """
 
     batch: PackedBatch
@@ -62,6 +65,7 @@ class PrefillResult:
     logits: np.ndarray
     sampled: np.ndarray
     target_hidden: np.ndarray | None = None
+    target_hidden_hc_head: np.ndarray | None = None
 
     @property
     def requests(self) -> list[RequestOutput]:
@@ -127,7 +131,8 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
     return PrefillResult(batch=batch, hidden=result.hidden, x_hc=result.x_hc, logit_rows=result.logit_rows,
-                         logits=result.logits, sampled=result.sampled, target_hidden=result.target_hidden)
+                         logits=result.logits, sampled=result.sampled, target_hidden=result.target_hidden,
+                         target_hidden_hc_head=result.target_hidden_hc_head)
 
 
 def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int] | None, list[Issue]]:

@@ -26,7 +26,16 @@ LAYER_STAGES = {"hyper_connections", "moe", "head"}
 
 
 def _modules(backend: str) -> set[str]:
-    return {p.stem for p in (PACKAGE / backend).glob("*.py")}
+    """The backend's module names, a stage's kernel submodules (``moe_gate`` beside ``moe``) folded into it."""
+    stems = {p.stem for p in (PACKAGE / backend).glob("*.py")}
+    return {next((s for s in stems if m.startswith(s + "_")), m) for m in stems}
+
+
+def test_kernel_submodules_fold_into_their_stage():
+    stems = {p.stem for p in (PACKAGE / "pypto").glob("*.py")}
+    assert {"moe_gate", "moe_routed", "moe_shared"} <= stems
+    assert "moe_gate" not in _modules("pypto") and "moe" in _modules("pypto")
+    assert "o_proj" in _modules("pypto") and "sparse_attention" in _modules("pypto")
 
 
 def _sources() -> list[tuple[Path, ast.Module]]:

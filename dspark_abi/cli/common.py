@@ -8,14 +8,15 @@ types (:func:`parse_request`, :func:`int_in`, :func:`tp_size`), the output-path 
 from __future__ import annotations
 
 import argparse
-import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dspark_abi.errors import ABIError
+from dspark_abi.io import safe_write
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.presets import PRESETS
 
@@ -43,10 +44,51 @@ class UsageError(CommandError):
 
 
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``prog: error: what is wrong (see prog --help)``."""
+    """An ArgumentParser whose errors are one line: ``prog: error: what is wrong (see prog --help)``.
+
+    A value that starts with ``-`` and holds an ``@`` (``--request -1@0``) is taken as the option's value, so
+    :func:`parse_request` can say what is wrong with it (argparse would say "expected one argument").
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # argparse takes an argument for a value (not an option) when this matches and no option looks like it
+        self._negative_number_matcher = _NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {printable(message)} (see {self.prog} --help)\n")
+
+
+#: Negative numbers (argparse's own rule) and anything with an '@' (a --request value such as -1@0).
+_NEGATIVE_VALUE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-[^-=\s][^=\s]*@")
+
+#: One line on each ``--config`` preset (dspark_abi.presets), shown by ``--help`` of both programs.
+PRESET_SUMMARIES: dict[str, str] = {
+    "flash": "DeepSeek-V4-Flash, 43 layers at its 1,048,576 positions (random weights are generated as the run "
+             "streams them: about 12 minutes for a short request)",
+    "flash-16k": "flash at the 16,384 positions upstream's a2a3 fixtures size their tables for",
+    "flash-dspark": "flash whose layers 40-42 feed the DSpark drafter (target hidden features)",
+    "demo": "upstream's DEMO: FLASH head sizes, 8 layers, 16 experts",
+    "tiny": "a small model with every layer kind (SWA, CSA, HCA), 4 layers, 4,096 positions: runs in seconds",
+    "tiny-1m": "tiny at the real 1,048,576-position depth (1M-position tables on any CPU)",
+    "tiny-dspark": "tiny whose last three layers feed a drafter (target hidden features)",
+}
+
+
+def version_text(prog: str) -> str:
+    """``PROG VERSION`` from the installed package metadata (the source tree's pyproject when not installed)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return f"{prog} {version('dspark')}"
+    except PackageNotFoundError:
+        return f"{prog} (version unknown: the package is not installed)"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print the program and package version, exit 0."""
+    parser.add_argument("--version", action="version", version=version_text(parser.prog),
+                        help="print the version of the installed dspark package and exit")
 
 
 def parse_request(text: str) -> tuple[int, int]:
@@ -83,9 +125,13 @@ def tp_size(text: str) -> int:
     return int_in(text, bounds["ge"], bounds["le"], "TP size")
 
 
-def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options both programs describe a packed batch with: ``--config``, ``--request`` (repeatable), ``--tp``."""
-    parser.add_argument("--config", default="tiny", choices=sorted(PRESETS), help="model preset (default tiny)")
+def add_batch_arguments(parser: argparse.ArgumentParser, *, config_note: str = "") -> None:
+    """The options both programs describe a packed batch with: ``--config``, ``--request`` (repeatable), ``--tp``
+    (``config_note``: a sentence added to the help of ``--config``)."""
+    presets = "; ".join(f"{name}: {PRESET_SUMMARIES[name]}" for name in PRESETS)
+    parser.add_argument("--config", default="tiny", choices=list(PRESETS), metavar="PRESET",
+                        help=f"model preset, one of {', '.join(PRESETS)} (default tiny). {presets}. "
+                             f"{config_note}".strip())
     parser.add_argument("--request", action="append", type=parse_request, required=True, metavar="TOKENS@CACHED",
                         help="one request: new tokens @ already cached tokens (repeatable)")
     parser.add_argument("--tp", type=tp_size, default=1, help="TP group size, 1..64 (default 1)")
@@ -94,23 +140,18 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def check_output(option: str, path: str | None, example: str) -> None:
     """Refuse an output path that cannot be written, before any work is done (:class:`UsageError`).
 
-    ``path`` must name a file (not a directory; ``example`` is the file name suggested inside one) in an
-    existing directory this process may create files in.
+    ``path`` must name a regular file or a new file (not a directory, device, FIFO or socket; a symlink is
+    written through to its target; ``example`` is the file name suggested inside a directory) in an existing
+    directory this process can create files in (:func:`dspark_abi.io.safe_write.check_target`).
     """
     if path is None:
         return
-    target = Path(path)
-    parent = target.parent
-    shown = printable(path)
-    if target.is_dir():
-        raise UsageError(f"{option} {shown}: is a directory; give a file name inside it, e.g. "
-                         f"{printable(target / example)}")
-    if not parent.is_dir():
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise UsageError(f"{option} {shown}: directory {printable(parent)} {what}; create it first (mkdir -p "
-                         f"{printable(parent)}) or write somewhere else")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {shown}: directory {printable(parent)} is not writable; write somewhere else")
+    try:
+        safe_write.check_target(path)
+    except safe_write.WriteTargetError as exc:
+        fix = f"give a file name inside it, e.g. {printable(Path(path) / example)}" \
+            if exc.code == "write.is_directory" else printable(exc.fix)
+        raise UsageError(f"{option} {printable(path)}: {printable(exc.reason)}; {fix}") from None
 
 
 def run_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:

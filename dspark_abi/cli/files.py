@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from dspark_abi.cli.common import printable
+from dspark_abi.cli.common import UsageError, printable
 from dspark_abi.conformance.runner import FileResult, Row, check_file, default_vectors_dir, run
 
 __all__ = ["add_file_commands", "cmd_conformance", "cmd_validate", "format_table", "print_result"]
@@ -92,14 +91,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_conformance(args: argparse.Namespace) -> int:
     directory = args.directory if args.directory is not None else default_vectors_dir()
     if directory is None:
-        print("error: this installation ships no conformance vectors; pass the vectors directory: dspark-abi "
-              "conformance DIR (e.g. spec/v1/vectors of a dspark checkout)", file=sys.stderr)
-        return 2
+        raise UsageError("this installation ships no conformance vectors; pass the vectors directory: dspark-abi "
+                         "conformance DIR (e.g. spec/v1/vectors of a dspark checkout)")
     try:
         rows = run(directory, command=args.command, timeout=args.timeout)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # printed as 'dspark-abi: error: ...', exit 2, like every usage error
+        raise UsageError(printable(exc)) from None
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=1))
     else:

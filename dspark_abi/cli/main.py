@@ -30,6 +30,7 @@ from dspark_abi.cli.common import (
     Parser,
     UsageError,
     add_batch_arguments,
+    add_version,
     check_output,
     int_in,
     printable,
@@ -38,7 +39,8 @@ from dspark_abi.cli.common import (
 from dspark_abi.cli.files import add_file_commands, print_result
 from dspark_abi.config import ModelConfig
 from dspark_abi.conformance.runner import inspect_file
-from dspark_abi.io import fixtures
+from dspark_abi.errors import Issue
+from dspark_abi.io import fixtures, safe_write
 from dspark_abi.io.fixtures import FixtureFile
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
@@ -186,8 +188,27 @@ def render_json(batch: PackedBatch | Layout) -> str:
     return json.dumps(_layout(batch).to_dict(), indent=2)
 
 
-def render_png(batch: PackedBatch | Layout, path: str) -> None:
-    """Picture of the row layout: one colored cell per row and rank, labelled with request and position."""
+#: Fields whose issue index is a group row (the picture marks that row's cell).
+_ROW_FIELDS = frozenset({"positions", "token_ids", "hidden", *SLOT_FIELDS.values()})
+#: Color of everything that marks an invalid batch in the picture.
+INVALID_COLOR = "#d00000"
+
+
+def offending_rows(lay: Layout, issues: Sequence[Issue]) -> set[int]:
+    """Group rows the issues point at: the row of a per-row field's index, every row of an issue's request."""
+    rows = {int(i.index) for i in issues if i.field in _ROW_FIELDS and isinstance(i.index, int)}
+    requests = {int(i.request) for i in issues if isinstance(i.request, int)}
+    row_request = lay.row_request
+    rows |= {int(r) for r in np.flatnonzero(np.isin(row_request, list(requests)))} if requests else set()
+    return {r for r in rows if 0 <= r < lay.padded_rows}
+
+
+def render_png(batch: PackedBatch | Layout, path: str, issues: Sequence[Issue] = ()) -> None:
+    """Picture of the row layout: one colored cell per row and rank, labelled with request and position.
+
+    With ``issues`` (an invalid fixture), the title is a red banner ``INVALID: N issues (codes)`` and the cells of
+    the rows they point at (:func:`offending_rows`) get a thick red frame and a red label, so the picture cannot be
+    taken for a valid batch's."""
     import matplotlib  # optional (the plot extra), checked by _check_png before any work
 
     matplotlib.use("Agg")
@@ -198,22 +219,36 @@ def render_png(batch: PackedBatch | Layout, path: str) -> None:
     rows = layout_rows(lay)
     fig, ax = plt.subplots(figsize=(max(4, 1.1 * lay.local_rows), 0.9 * lay.tp_size + 1))
     cmap = plt.get_cmap("tab20")
+    bad = offending_rows(lay, issues)
     for row in rows:
         x, y = row["local_row"], lay.tp_size - 1 - row["rank"]
         color = "#dddddd" if row["request"] < 0 else cmap(row["request"] % 20)
         ax.add_patch(Rectangle((x, y), 0.95, 0.9, color=color))
         label = "pad" if row["request"] < 0 else f"r{row['request']}\np{row['position']}"
-        ax.text(x + 0.47, y + 0.45, label, ha="center", va="center", fontsize=8)
+        if row["row"] in bad:
+            ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.87, 0.82, fill=False, edgecolor=INVALID_COLOR,
+                                   linewidth=3))
+        ax.text(x + 0.47, y + 0.45, label, ha="center", va="center", fontsize=8,
+                color=INVALID_COLOR if row["row"] in bad else "black")
     ax.set_xlim(0, max(lay.local_rows, 1))
     ax.set_ylim(0, lay.tp_size)
     ax.set_yticks([lay.tp_size - 1 - r + 0.45 for r in range(lay.tp_size)], [f"rank {r}" for r in range(
         lay.tp_size)])
     ax.set_xticks([])
-    ax.set_title(f"N={lay.num_tokens} P={lay.padded_rows} L={lay.local_rows} "
-                 f"qsl={lay.query_start_loc.tolist()}")
+    geometry = f"N={lay.num_tokens} P={lay.padded_rows} L={lay.local_rows} qsl={lay.query_start_loc.tolist()}"
+    if issues:
+        codes = sorted({i.code for i in issues})
+        shown = ", ".join(codes[:4]) + (", ..." if len(codes) > 4 else "")
+        ax.set_title(f"INVALID: {len(issues)} issue{'s' if len(issues) != 1 else ''} ({shown})\n{geometry}",
+                     color="white", backgroundcolor=INVALID_COLOR, fontweight="bold")
+        for spine in ax.spines.values():
+            spine.set_edgecolor(INVALID_COLOR)
+            spine.set_linewidth(3)
+    else:
+        ax.set_title(geometry)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=120, format="png")
+        safe_write.write_with(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     finally:
         plt.close(fig)
 
@@ -229,6 +264,8 @@ def _write(option: str, path: str, write: Callable[[], object]) -> None:
     """Run ``write()``, then say 'wrote PATH' on stderr (stdout stays the layout, e.g. one JSON document)."""
     try:
         write()
+    except safe_write.WriteTargetError as exc:
+        raise CommandError(f"{option} {printable(path)}: {printable(exc.reason)}; {printable(exc.fix)}") from None
     except OSError as exc:
         raise CommandError(f"{option} {printable(path)}: cannot write: {exc.strerror or exc}") from None
     print(f"wrote {printable(path)}", file=sys.stderr)
@@ -265,18 +302,22 @@ def _cmd_show(args: argparse.Namespace) -> int:
             print(f"--png {printable(args.png)}: not drawn, the file has no readable layout (see the issues)",
                   file=sys.stderr)
         else:
-            _write("--png", args.png, lambda: render_png(lay, args.png))
+            _write("--png", args.png, lambda: render_png(lay, args.png, result.issues))
     return result.exit_code
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark-abi", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build a packed batch from TOKENS@CACHED requests and show its layout")
     add_batch_arguments(build)
     build.add_argument("--pool-blocks", type=_pool_blocks, default=None, metavar="N",
                        help=f"blocks per pool, 1..{CLI_MAX_POOL_BLOCKS} (default: sized to fit)")
-    build.add_argument("--pad-position", choices=["zero", "continue"], default="zero")
+    build.add_argument("--pad-position", choices=["zero", "continue"], default="zero",
+                       help="positions of the padding rows (TP > 1 pads N to a multiple of TP): 'zero' (default) "
+                            "gives them position 0; 'continue' continues the last live row's position (p_last + 1, "
+                            "p_last + 2, ...), as upstream's b1 fixture does")
     build.add_argument("--json", action="store_true", help="machine-readable output")
     build.add_argument("--png", metavar="FILE", help="also draw the layout to a PNG (needs matplotlib)")
     build.add_argument("--save", metavar="FILE", help="also write the batch as a fixture file")

@@ -53,6 +53,7 @@ def hostile_files(arrays: Mapping[str, np.ndarray], *, config: ModelConfig, poli
         "not_safetensors": (b"query_start_loc,positions\n0,1\n" * 4, unreadable, "A CSV file."),
         "truncated_header": (good[:48], unreadable, "Cut inside the JSON header."),
         "truncated_data": (good[:-4], unreadable, "Last 4 data bytes missing."),
+        "trailing_bytes": (good + bytes(8), unreadable, "8 zero bytes after the data section the header describes."),
         "oversized_header": (struct.pack("<Q", 1 << 40) + good[8:], unreadable, "Header length field of 2**40."),
         "header_not_json": (struct.pack("<Q", 16) + b"{not json at all", unreadable, "Header is not JSON."),
         "duplicate_keys": (struct.pack("<Q", len(duplicate)) + duplicate + data, unreadable,

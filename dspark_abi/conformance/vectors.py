@@ -30,6 +30,7 @@ from dspark_abi.conformance.hostile import hostile_files
 from dspark_abi.conformance.runner import INDEX_NAME
 from dspark_abi.io.fixtures import encode
 from dspark_abi.io.manifest import FORMAT_VERSION, Expectation
+from dspark_abi.io.safe_write import write_bytes, write_text
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.presets import DEMO, FLASH, FLASH_16K, TINY, TINY_1M
 
@@ -437,7 +438,8 @@ def generate(directory: str | Path) -> list[Path]:
     for kind in KINDS:
         (root / kind).mkdir(parents=True, exist_ok=True)
         for stale in (root / kind).glob("*.safetensors"):
-            stale.unlink()
+            if stale.is_symlink() or stale.is_file():   # a link, not what it points at; never a device or FIFO
+                stale.unlink()
     files: dict[str, tuple[bytes, Expectation, str]] = {}
     vectors = all_vectors()
     for v in vectors:
@@ -450,11 +452,11 @@ def generate(directory: str | Path) -> list[Path]:
         files[f"hostile/{name}.safetensors"] = (data, Expectation(valid=False, codes=(code,)), description)
     entries = []
     for rel, (data, expected, description) in files.items():
-        (root / rel).write_bytes(data)
+        write_bytes(root / rel, data)
         entries.append({"file": rel, "description": description, "expected": expected.model_dump(mode="json"),
                         "sha256": hashlib.sha256(data).hexdigest()})
     index = {"format": INDEX_FORMAT, "format_version": FORMAT_VERSION, "vectors": entries}
-    (root / INDEX_NAME).write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    write_text(root / INDEX_NAME, json.dumps(index, indent=1, sort_keys=True) + "\n")
     return [root / INDEX_NAME, *(root / rel for rel in files)]
 
 

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig, issues_from_pydantic
 from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.io import safe_write
 from dspark_abi.io.manifest import (
     ABI_TENSORS,
     EXTRA_PREFIX,
@@ -119,14 +120,13 @@ def save(path: str | os.PathLike[str], batch: PackedBatch, *, tensors: Mapping[s
 def save_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], **kwargs: Any) -> Path:
     """Write flat ABI arrays without validating them (conformance vectors store invalid batches too).
 
-    Keyword arguments are those of :func:`encode`. The file is replaced atomically.
+    Keyword arguments are those of :func:`encode`. The file is replaced atomically, and only when it is a regular
+    file (or a symlink to one, written through): :mod:`dspark_abi.io.safe_write` (its ``WriteTargetError`` is an
+    ``OSError``).
     """
     data = encode(arrays, **kwargs)
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
-    return target
+    safe_write.write_bytes(path, data)
+    return Path(path)
 
 
 def encode(arrays: Mapping[str, np.ndarray], *, config: ModelConfig, policy: PaddingPolicy,
@@ -222,7 +222,14 @@ def read(path: str | os.PathLike[str]) -> FixtureFile:
             if size < 8:
                 _fail("fixture.unreadable", "file is shorter than the 8-byte safetensors length prefix",
                       expected=">= 8 bytes", actual=size)
+            head = f.read(16)
+            f.seek(0)
             (header_len,) = struct.unpack("<Q", f.read(8))
+            if head[8:9] != b"{" and (header_len > MAX_HEADER_BYTES or 8 + header_len > size):
+                _fail("fixture.unreadable", "not a safetensors file: it does not begin with an 8-byte header length "
+                      "followed by a JSON header", expected="8-byte length, then '{'",
+                      actual=f"starts with {head!r}", fix="pass a .safetensors fixture file (e.g. one written "
+                      "by dspark-abi build --save or dspark prefill --save)")
             if header_len > MAX_HEADER_BYTES:
                 _fail("fixture.unreadable", "header length exceeds the cap", expected=f"<= {MAX_HEADER_BYTES}",
                       actual=header_len)

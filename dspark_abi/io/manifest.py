@@ -10,6 +10,7 @@ and, for conformance vectors, the expected outcome. ``spec/v1/abi.schema.json`` 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Annotated, Final, Literal
 
 from pydantic import Field, model_validator
@@ -17,9 +18,9 @@ from pydantic import Field, model_validator
 from dspark_abi._base import StrictModel
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import CODES
+from dspark_abi.fields import BATCH_FIELDS, BY_NAME
 from dspark_abi.layout import MAX_POOL_BLOCKS, POOL_NAMES
 from dspark_abi.policy import PaddingPolicy
-from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 
 #: Value of the manifest's ``format`` key.
 FORMAT_NAME: Final = "dspark.packed_batch"
@@ -32,14 +33,12 @@ MANIFEST_KEY = "dspark.manifest"
 #: Name prefix of optional tensors that ride along (hidden states, caches, expected outputs).
 EXTRA_PREFIX = "extra."
 #: The one extra tensor the validator reads: input hidden rows [P, ...] float, padding rows zero.
-HIDDEN_TENSOR = "extra.hidden"
+HIDDEN_TENSOR = BY_NAME["hidden"].file_name
 
-#: Required ABI tensors, in canonical file order.
-REQUIRED_TENSORS: tuple[str, ...] = (
-    "query_start_loc", "positions", *TABLE_FIELDS.values(), *SLOT_FIELDS.values(),
-)
+#: Required ABI tensors, in canonical file order (the declared fields, :data:`dspark_abi.fields.FIELDS`).
+REQUIRED_TENSORS: tuple[str, ...] = tuple(f.file_name for f in BATCH_FIELDS if f.required)
 #: Optional ABI tensors, in canonical file order.
-OPTIONAL_TENSORS: tuple[str, ...] = ("request_ids", "token_ids", "logit_rows")
+OPTIONAL_TENSORS: tuple[str, ...] = tuple(f.file_name for f in BATCH_FIELDS if not f.required)
 #: Every ABI tensor name a fixture may hold outside the ``extra.`` prefix.
 ABI_TENSORS: tuple[str, ...] = REQUIRED_TENSORS + OPTIONAL_TENSORS
 
@@ -124,7 +123,8 @@ class FixtureManifest(StrictModel):
     """Physical blocks of each pool."""
     request_ids: tuple[Int64, ...] | None = None
     """Copy of the ``request_ids`` tensor (flattened) for readers of the header alone; null when absent."""
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo] = Field(json_schema_extra={"propertyNames": {"anyOf": [
+        {"enum": list(ABI_TENSORS)}, {"pattern": f"^{re.escape(EXTRA_PREFIX)}.+"}]}})
     """Every stored tensor: ABI field names and ``extra.``-prefixed optional tensors."""
     expected: Expectation | None = None
     """Conformance vectors only: the outcome validation must produce."""

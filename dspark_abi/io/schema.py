@@ -2,8 +2,9 @@
 
 The schema describes the fixture manifest (:class:`~dspark_abi.io.manifest.FixtureManifest`) and, through
 its ``$defs``, the model configuration (``ModelConfig``), padding policy, pool block counts and the
-conformance expectation. It is derived, never edited: ``--check`` exits 1 when the committed file
-differs from a fresh generation. The output depends on the installed pydantic version.
+conformance expectation; ``x-dspark-fields`` carries the ABI's field declarations (:mod:`dspark_abi.fields`).
+It is derived, never edited: ``--check`` exits 1 when the committed file differs from a fresh generation.
+The output depends on the installed pydantic version.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dspark_abi.fields import FIELDS
 from dspark_abi.io.manifest import FORMAT_VERSION, FixtureManifest
 
 #: Where the schema lives in a source checkout.
@@ -22,9 +24,15 @@ JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def build_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of a fixture manifest, with every nested model in ``$defs``."""
+    """The JSON Schema (draft 2020-12) of a fixture manifest, with every nested model in ``$defs``.
+
+    ``x-dspark-fields`` lists the declaration of every ABI field (:data:`dspark_abi.fields.FIELDS`: tensor name,
+    dtype, symbolic shape, padding, scope, required, since); ``tensors`` admits exactly their names and
+    ``extra.``-prefixed ones.
+    """
     schema = FixtureManifest.model_json_schema(mode="validation")
-    return {"$schema": JSON_SCHEMA_DIALECT, "x-dspark-format-version": FORMAT_VERSION, **schema}
+    return {"$schema": JSON_SCHEMA_DIALECT, "x-dspark-format-version": FORMAT_VERSION,
+            "x-dspark-fields": [f.as_json() for f in FIELDS], **schema}
 
 
 def render() -> str:

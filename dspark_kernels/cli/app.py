@@ -29,13 +29,20 @@ import numpy as np
 
 from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
-from dspark_abi.cli.common import Parser, UsageError, add_batch_arguments, check_output
+from dspark_abi.cli.common import (
+    Parser,
+    UsageError,
+    add_batch_arguments,
+    add_version,
+    check_output,
+    printable,
+)
 from dspark_abi.errors import ABIError
-from dspark_abi.io import fixtures
+from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
 from dspark_kernels.api import prefill
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
-from dspark_kernels.cli.progress import PROGRESS_DELAY_S, LayerProgress, progress_mode
+from dspark_kernels.cli.progress import PROGRESS_DELAY_S, ContextProgress, LayerProgress, progress_mode
 from dspark_kernels.model import tp
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
@@ -60,16 +67,17 @@ def run(args: argparse.Namespace) -> int:
     context, batch = _plan(config, allocator, requests, prompts, args.tp)
     weights = load_weights(args, config)
     check_memory(config, args, [*(b for _, b in context), batch], allocator.pool_blocks, weights)
+    mode = progress_mode(args)
+    _announce(args, config, weights, context, batch, mode)
 
     # 2. the cached context: every request's earlier tokens first (chunks of at most token_cap), then the batch
     caches = ModelCaches.allocate(config, allocator.pool_blocks, precision=args.precision)
     prepared = PreparedWeightsCache(keep=weights.keep_layers)  # the run's prepared weights, shared by its calls
-    mode = progress_mode(args)
     t_ctx = time.perf_counter()
-    for rid, ctx in context:
-        with LayerProgress(f"context r{rid}", mode, config.num_layers) as on_layer:
+    with ContextProgress(mode, [(rid, ctx.num_tokens) for rid, ctx in context], config.num_layers) as fill:
+        for i, (_, ctx) in enumerate(context):
             prefill(ctx, _token_ids(ctx), weights, caches, precision=args.precision, backend=args.backend,
-                    prepared=prepared, on_layer=on_layer)
+                    prepared=prepared, on_layer=fill.chunk(i))
     t_ctx = time.perf_counter() - t_ctx
     t0 = time.perf_counter()
     hidden, sampled, rows, logits, target = _run_batch(batch, weights, caches, args,
@@ -86,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save:  # before the summary: a failed write must not follow a printed success
         _save(args.save, batch, hidden, rows, logits, sampled, target)
     features = None if target is None else {"layers": list(config.dspark_target_layers), "shape": list(target.shape),
+                                            "reduction": "mean of the hc streams (DeepSeek's h.mean(dim=2))",
                                             "saved_as": "outputs.target_hidden" if args.save else None}
     if args.json:
         print(json.dumps({"config": config.name, "tp": args.tp, "mode": args.mode, "precision": args.precision,
@@ -104,10 +113,31 @@ def run(args: argparse.Namespace) -> int:
               f"context fill {t_ctx:.3f} s; peak memory {memory.format_bytes(memory.peak_rss_bytes())}")
         if features is not None and target is not None:
             print(f"DSpark target hidden: layers {features['layers']} -> [{target.shape[0]}, {target.shape[1]}] "
-                  "(hc_head of each layer's output streams, concatenated)")
+                  "(the mean of each layer's output hc streams, as DeepSeek's DSpark code; concatenated)")
     if args.save:
         print(f"wrote {args.save}", file=sys.stderr)
     return 0
+
+
+#: What a random-weight run of a model whose weights are streamed (FLASH-size) costs, as measured: --config flash
+#: --request 3@126 --tp 3 on a 2-core CPU. Said up front, since nothing else shows for the first minutes.
+STREAMED_RANDOM_RUN = "about 12 minutes on a 2-core CPU for --config flash --request 3@126"
+
+
+def _announce(args: argparse.Namespace, config: ModelConfig, weights: ModelWeights,
+              context: Sequence[tuple[int, PackedBatch]], batch: PackedBatch, mode: str) -> None:
+    """Before the first call, on stderr: a warning for a slow random-weight run, and off a terminal (logs), the
+    stages of a run that may take minutes (streamed weights, or a context of several chunks), so it never starts
+    silently."""
+    if args.weights is None and not weights.keep_layers:
+        print(f"{PROG}: note: random {config.name} weights are too large to keep: every layer and expert is "
+              f"generated when the run reaches it, so this run is slow ({STREAMED_RANDOM_RUN}); --config tiny runs "
+              "in seconds", file=sys.stderr, flush=True)
+    if mode == "lines" and (len(context) > 1 or not weights.keep_layers):     # a run that may take minutes
+        tokens = sum(ctx.num_tokens for _, ctx in context)
+        print(f"{PROG}: {len(context)} context call(s) ({tokens} cached tokens), then the prefill of "
+              f"{batch.num_tokens} tokens; {config.num_layers} layers each; progress lines follow once a stage "
+              f"has run {PROGRESS_DELAY_S:g} s", file=sys.stderr, flush=True)
 
 
 def _plan(config: ModelConfig, allocator: BlockAllocator, requests: Sequence[tuple[int, int]],
@@ -144,8 +174,8 @@ def _save(path: str, batch: PackedBatch, hidden: np.ndarray, rows: np.ndarray, l
         tensors["inputs.token_ids"] = batch.token_ids
     try:
         fixtures.save(path, batch, tensors=tensors)
-    except OSError as exc:
-        raise RunError(f"--save {path}: cannot write ({exc.strerror or exc}); free space or save elsewhere") from None
+    except safe_write.WriteTargetError as exc:  # the reason the system gave, e.g. a full disk
+        raise RunError(f"--save {printable(path)}: {printable(exc.reason)}; {printable(exc.fix)}") from None
 
 
 def _run_batch(batch: PackedBatch, weights: ModelWeights, caches: ModelCaches, args: argparse.Namespace,
@@ -185,9 +215,12 @@ def _seed(text: str) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dspark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prefill", help="build a packed batch, fill cached contexts and run the forward")
-    add_batch_arguments(p)
+    add_batch_arguments(p, config_note="With --weights DIR holding a config.json, that config is the model's and "
+                                       "--config is ignored (a note on stderr says so).")
+    p.set_defaults(config=None)  # None: not given (tiny, or the config.json of --weights DIR)
     p.add_argument("--mode", choices=["group", "threads", "distributed"], default="group",
                    help="group: whole group in one call; threads: one thread per rank view; "
                         "distributed: one process per rank on torch.distributed")
@@ -199,7 +232,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="fp32: exact math; a2a3: the a2a3 kernels' bf16/int8 numerics; deepseek: the official "
                         "inference's bf16 activations with FP8/FP4 fake quantisation (docs/kernels.md)")
-    p.add_argument("--weights", metavar="DIR", help="safetensors checkpoint folder (default: random weights)")
+    p.add_argument("--weights", metavar="DIR", help="safetensors checkpoint folder (default: random weights); its "
+                   "config.json, when present, is the model's config and --config is ignored")
     p.add_argument("--seed", type=_seed, default=0, help="seed (>= 0) of random weights and prompts")
     p.add_argument("--save", metavar="FILE", help="write a fixture with the batch, inputs and outputs")
     p.add_argument("--json", action="store_true", help="machine-readable summary (the only output on stdout)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,15 @@ def check_requests(config: ModelConfig, requests: Sequence[tuple[int, int]], pol
                        f"(token_cap={policy.token_cap}); use at most {policy.token_cap} new tokens in total")
 
 
+#: --config when it is not given.
+DEFAULT_PRESET = "tiny"
+
+
 def load_config(args: argparse.Namespace) -> ModelConfig:
-    """--config, or the config.json of --weights DIR."""
+    """--config (default tiny), or the config.json of --weights DIR (then a --config given is ignored: a note on
+    stderr says so)."""
     if args.weights is None:
-        return get_preset(args.config)
+        return get_preset(args.config or DEFAULT_PRESET)
     folder = Path(args.weights)
     if not folder.exists():
         raise UsageError(f"--weights {folder}: does not exist; pass the folder that holds the checkpoint's "
@@ -103,8 +109,12 @@ def load_config(args: argparse.Namespace) -> ModelConfig:
                          f"--weights {folder.parent}")
     hf = folder / "config.json"
     if not hf.exists():
-        return get_preset(args.config)
-    fix = f"use the config.json that came with the checkpoint, or delete it to use --config {args.config}"
+        return get_preset(args.config or DEFAULT_PRESET)
+    if args.config is not None:
+        print(f"dspark prefill: note: --config {args.config} is ignored: the model is the one {hf} describes",
+              file=sys.stderr)
+    fix = ("use the config.json that came with the checkpoint, or delete it to use --config "
+           f"{args.config or DEFAULT_PRESET}")
     try:
         data = json.loads(hf.read_text())
     except (OSError, UnicodeDecodeError) as exc:

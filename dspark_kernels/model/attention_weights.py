@@ -29,8 +29,8 @@ Quantised checkpoint tensors arrive dequantised from :class:`~dspark_kernels.mod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 import attrs
 import ml_dtypes
@@ -38,6 +38,8 @@ import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_abi.config import LayerKind
+from dspark_kernels.model import quant
+from dspark_kernels.model.deepseek_numerics import fp8_gemm_weights
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.geometry import coff as compressor_coff
 
@@ -45,6 +47,11 @@ from dspark_kernels.model.geometry import coff as compressor_coff
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 INT_DTYPES = ("int32", "int64")
 _FLOAT_NP_DTYPES = tuple(np.dtype(ml_dtypes.bfloat16) if n == "bfloat16" else np.dtype(n) for n in FLOAT_DTYPES)
+
+
+#: How :meth:`AttentionWeights.random` stores its projections: ``"float"`` or in the checkpoint's ``"shipped"``
+#: FP8 formats.
+StoredAs = Literal["float", "shipped"]
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -130,6 +137,11 @@ class AttentionWeights:
     """Projections the checkpoint stores as int8 + per-channel scale (W8A8), by relative name (``"wq_b.weight"``):
     (q [out, in] float32 integers, scale [out] float32), equal to the float array times the scale. The a2a3
     precision computes with them as stored instead of re-quantising the dequantised weight."""
+    fp8_stored: frozenset[str] = frozenset()
+    """Relative names (``"wq_a.weight"``) of the projections stored FP8 / FP4 as loaded (their arrays hold the
+    dequantised values); empty for float (bf16 / fp32) weights. Precision ``"deepseek"`` quantises the inputs of
+    exactly these Linears, as the official ``linear()`` does (:func:`~dspark_kernels.model.deepseek_numerics.
+    fp8_inputs`)."""
 
     @property
     def kind(self) -> LayerKind:
@@ -144,7 +156,8 @@ class AttentionWeights:
     @classmethod
     def from_tensors(cls, config: ModelConfig, layer: int, tensors: Mapping[str, Any],
                      *, prefix: str | None = None,
-                     int8: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None) -> AttentionWeights:
+                     int8: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                     fp8: Iterable[str] = ()) -> AttentionWeights:
         """Pick layer ``layer``'s tensors out of a checkpoint mapping name -> array and validate them.
 
         Names are ``prefix + relative name``; the prefix defaults to ``layers.{layer}.attn.`` (pass ``""``
@@ -152,6 +165,8 @@ class AttentionWeights:
         :class:`ABIError` listing every missing (``array.missing``), unexpected for this layer kind
         (``config.mismatch``), mis-shaped (``array.shape``) or non-float (``array.dtype``) tensor.
         ``int8``: checkpoint name -> (q, scale) of projections stored as W8A8 (see :attr:`stored_int8`).
+        ``fp8``: checkpoint names of the tensors stored FP8 / FP4 and given here dequantised (see
+        :attr:`fp8_stored`); names outside the prefix are ignored, an unknown one is a ``config.mismatch``.
         """
         if not 0 <= layer < config.num_layers:
             raise ABIError([Issue("config.mismatch", "layer", f"{config.name} has {config.num_layers} layers",
@@ -177,6 +192,9 @@ class AttentionWeights:
                                     expected=list(shape), actual=list(a.shape)))
             else:
                 arrays[name] = _frozen(a)
+        fp8_names = frozenset(k[len(pre):] for k in fp8 if k.startswith(pre))
+        issues += [Issue("config.mismatch", pre + n, "named as stored FP8 / FP4 but not a weight of this layer",
+                         expected=sorted(shapes), actual=n) for n in sorted(fp8_names - set(shapes))]
         stored = {k[len(pre):]: v for k, v in (int8 or {}).items() if k.startswith(pre)}
         for name, (q, scale) in stored.items():  # W8A8 parts must be the float array's exact factors
             w = arrays.get(name)
@@ -189,7 +207,8 @@ class AttentionWeights:
         if issues:
             raise ABIError(issues)
         return attrs.evolve(cls._assemble(config, layer, arrays),
-                            stored_int8={n: (_frozen(q), _frozen(sc)) for n, (q, sc) in stored.items()})
+                            stored_int8={n: (_frozen(q), _frozen(sc)) for n, (q, sc) in stored.items()},
+                            fp8_stored=fp8_names)
 
     @classmethod
     def _assemble(cls, config: ModelConfig, layer: int, a: Mapping[str, np.ndarray]) -> AttentionWeights:
@@ -208,10 +227,15 @@ class AttentionWeights:
                    compressor=comp("compressor.") if kind != "swa" else None, indexer=indexer)
 
     @classmethod
-    def random(cls, config: ModelConfig, layer: int, seed: int = 0) -> AttentionWeights:
+    def random(cls, config: ModelConfig, layer: int, seed: int = 0, *, stored: StoredAs = "float"
+               ) -> AttentionWeights:
         """Deterministic random weights (``seed``) scaled so activations stay O(1).
 
         Projections ~ N(0, 1/fan_in); norm weights ~ 1 + N(0, 0.1^2); ape ~ N(0, 0.5^2); sinks ~ N(0, 1).
+        ``stored="shipped"``: the projections the official inference runs as FP8 GEMMs on the shipped checkpoint
+        (:func:`~dspark_kernels.model.deepseek_numerics.fp8_gemm_weights`; not ``wo_a``, which ``convert.py``
+        turns into bf16) are rounded to FP8 e4m3 with 128x128 power-of-two block scales and marked
+        :attr:`fp8_stored`; ``"float"`` (default): float32 values, stored as floats.
         """
         rng = np.random.default_rng([seed, layer])
         arrays = {}
@@ -225,7 +249,12 @@ class AttentionWeights:
             else:
                 a = rng.standard_normal(shape, dtype=np.float32) * np.float32(shape[1] ** -0.5)
             arrays[name] = _frozen(a)
-        return cls._assemble(config, layer, arrays)
+        if stored == "float":
+            return cls._assemble(config, layer, arrays)
+        shipped = {n for n in arrays if "attn." + n.removesuffix(".weight") in fp8_gemm_weights()}
+        for name in shipped:  # FP8 e4m3 + 128x128 ue8m0 scales, dequantised exactly
+            arrays[name] = _frozen(quant.dequant_fp8_blocks(*quant.quant_fp8_blocks(arrays[name])))
+        return attrs.evolve(cls._assemble(config, layer, arrays), fp8_stored=frozenset(shipped))
 
     def to_tensors(self, *, prefix: str | None = None) -> dict[str, np.ndarray]:
         """Checkpoint name -> float32 array (inverse of :meth:`from_tensors`)."""

@@ -166,6 +166,10 @@ class Backend(Protocol):
         """[T, D] float32 model-level hc_head of the streams x_hc [T, hc, D]."""
         ...
 
+    def stream_mean(self, x_hc: np.ndarray, *, precision: Precision) -> np.ndarray:
+        """[T, D] float32 plain mean of the streams x_hc [T, hc, D] (the DSpark target features)."""
+        ...
+
     def final_hidden(self, x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *, precision: Precision
                      ) -> np.ndarray:
         """[T, D] float32 ``rms_norm(hc_head(x_hc), norm)``."""

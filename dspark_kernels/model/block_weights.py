@@ -72,6 +72,9 @@ class MoEWeights:
     w1, w3: [E, I, D]; w2: [E, D, I] (stacked ``ffn.experts.{e}.w*``): arrays, or :class:`ExpertStack` read per
     expert (streaming weights); index them one expert at a time (``w1[e]``), which both support.
     shared_w1, shared_w3: [S*I, D]; shared_w2: [D, S*I], or None when ``n_shared_experts == 0``.
+    fp8_stored: block-relative names (``ffn.experts.w1``, ``ffn.shared_experts.w2``, ...) of the projections stored
+    FP8 / FP4 as loaded (a routed stack counts when every expert is); precision ``"deepseek"`` quantises their
+    inputs (:func:`dspark_kernels.model.deepseek_numerics.fp8_inputs`). Empty for float weights.
     """
 
     gate_w: np.ndarray
@@ -83,6 +86,7 @@ class MoEWeights:
     shared_w1: np.ndarray | None = None
     shared_w2: np.ndarray | None = None
     shared_w3: np.ndarray | None = None
+    fp8_stored: frozenset[str] = frozenset()
 
 
 @attrs.frozen

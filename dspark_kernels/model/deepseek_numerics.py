@@ -6,9 +6,12 @@ Source: DeepSeek's first V4-Flash ``inference/model.py`` and ``inference/kernel.
 Mockingjay1316/deepseek-v4-flash-spark, commit 0825add; ``docs/checkpoints.md`` section 4 cites the later
 release). The fake quantisers are :mod:`dspark_kernels.model.quant`'s; this module fixes which one runs where:
 
-* :func:`linear` -- ``model.py`` ``linear()``: a weight the checkpoint ships FP8 or FP4 gets its input quantised
-  to e4m3 per 1x128 block (power-of-two scale, ``act_quant(x, 128, "ue8m0")``) and an FP8 / FP4 GEMM with fp32
-  accumulation and a bf16 output; any other bf16 Linear is a bf16 ``F.linear``. dspark multiplies the
+* :func:`linear` -- ``model.py`` ``linear()``: a weight **stored** FP8 or FP4 (its dtype as loaded; the official
+  ``Linear`` dispatches on ``weight.dtype``) gets its input quantised to e4m3 per 1x128 block (power-of-two scale,
+  ``act_quant(x, 128, "ue8m0")``) and an FP8 / FP4 GEMM with fp32 accumulation and a bf16 output; any other
+  (bf16) Linear is a bf16 ``F.linear``: a checkpoint converted to bf16 runs without activation quantisation.
+  Which Linears of a layer take the FP8 path is :func:`fp8_inputs` of the weights as loaded
+  (``AttentionWeights.fp8_stored`` / ``MoEWeights.fp8_stored``), never the shipped-format table. dspark multiplies the
   dequantised activations with the weights as given: a real checkpoint's dequantised weight values times the
   power-of-two activation scales are the GEMM's products, so the result equals the FP8 / FP4 GEMM up to fp32
   summation order (the kernel adds per-K-block partial products scaled in fp32; here one BLAS product).
@@ -65,10 +68,20 @@ def _projection_kinds() -> dict[str, str]:
 @lru_cache(maxsize=1)
 def fp8_gemm_weights() -> frozenset[str]:
     """Block-relative names (``attn.wq_a``, ``ffn.experts.w1``, ...) of the Linears whose inputs the official
-    inference quantises to e4m3 per 1x128 block: every projection shipped ``fp8_block`` or ``fp4_block``, except
-    :data:`DEQUANTISED_AT_CONVERSION`."""
+    inference quantises when run on the checkpoint **as shipped**: every projection shipped ``fp8_block`` or
+    ``fp4_block``, except :data:`DEQUANTISED_AT_CONVERSION`. What a run quantises follows the weights it loaded
+    (:func:`fp8_inputs`); this is the set for the shipped FP8 / FP4 checkpoint."""
     shipped = {n for n, kind in _projection_kinds().items() if kind in ("fp8_block", "fp4_block")}
     return frozenset(shipped - DEQUANTISED_AT_CONVERSION)
+
+
+def fp8_inputs(stored: frozenset[str] | set[str], prefix: str) -> frozenset[str]:
+    """The Linears whose input the official ``linear()`` quantises, given the names of the weights stored FP8 /
+    FP4 as loaded: ``stored`` relative names (``wq_a.weight``, ``experts.w1``) under ``prefix`` (``attn.`` /
+    ``ffn.``) -> block-relative names (``attn.wq_a``), minus :data:`DEQUANTISED_AT_CONVERSION` (``convert.py``
+    dequantises ``wo_a`` before the model loads it)."""
+    names = {prefix + _block_name(n) for n in stored}
+    return frozenset(names - DEQUANTISED_AT_CONVERSION)
 
 
 def _on_padded(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, block: int) -> np.ndarray:
@@ -90,16 +103,17 @@ def act_quant(x: np.ndarray, block: int = quant.GEMM_ACT_BLOCK) -> np.ndarray:
     return _on_padded(quantise, np.asarray(x, dtype=np.float32), block)
 
 
-def linear(x: np.ndarray, w: np.ndarray, name: str) -> np.ndarray:
+def linear(x: np.ndarray, w: np.ndarray, name: str, fp8: frozenset[str]) -> np.ndarray:
     """The official ``Linear`` of checkpoint tensor ``name`` (block-relative, e.g. ``attn.wq_b``): x [M, K],
-    w [N, K] -> bf16 values [M, N] float32. FP8 / FP4 weights (:func:`fp8_gemm_weights`) quantise x first.
+    w [N, K] -> bf16 values [M, N] float32. ``fp8``: the layer's Linears whose weight is stored FP8 / FP4
+    (:func:`fp8_inputs`); x is quantised first exactly when ``name`` is one of them.
 
     Raises ValueError for a name that is not a projection of the checkpoint table.
     """
     kinds = _projection_kinds()
     if name not in kinds:
         raise ValueError(f"{name!r} is not a projection of the DeepSeek-V4 checkpoint table")
-    a = act_quant(x) if name in fp8_gemm_weights() else x
+    a = act_quant(x) if name in fp8 else x
     return bf16_round(_product(a, w))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Literal, get_args
 
 import attrs
 import numpy as np
@@ -36,9 +37,12 @@ class ForwardResult:
     logit_rows: [M] int32, group rows the logits belong to; -1 = inactive.
     logits: [M, V] fp32; zero rows where inactive.
     sampled: [M] int64, greedy next token (first maximum); -1 where inactive.
-    target_hidden: [P, T * D] fp32 (bf16 values in a2a3 mode), the DSpark drafter's features: slice k is
-        ``hc_head(x_hc after layer config.dspark_target_layers[k])`` (see :func:`target_features`), zero where that
-        layer was not run and on padding rows; None when the config names no target layer.
+    target_hidden: [P, T * D] fp32 (bf16 values in a2a3 and deepseek), the DSpark drafter's features as DeepSeek
+        defines them: slice k is the mean of the hc streams of ``x_hc`` after layer ``config.dspark_target_layers[k]``
+        (:func:`target_features`, ``reduction="mean"``), zero where that layer was not run and on padding rows;
+        None when the config names no target layer.
+    target_hidden_hc_head: the same with ``hc_head`` as the reduction (upstream pypto-lib's
+        ``dspark_target_hidden``, ``reduction="hc_head"``), for comparison with it; None likewise.
     """
 
     x_hc: np.ndarray
@@ -47,19 +51,34 @@ class ForwardResult:
     logits: np.ndarray
     sampled: np.ndarray
     target_hidden: np.ndarray | None = None
+    target_hidden_hc_head: np.ndarray | None = None
+
+
+#: The reductions :func:`target_features` offers: ``"mean"`` (DeepSeek's, the default) and ``"hc_head"``
+#: (upstream pypto-lib's).
+TargetReduction = Literal["mean", "hc_head"]
+TARGET_REDUCTIONS: tuple[TargetReduction, ...] = get_args(TargetReduction)
 
 
 def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *, precision: Precision,
-                    stages: Backend | None = None) -> np.ndarray:
-    """One target layer's DSpark feature [T, D]: the model-level ``hc_head`` of the layer's output streams x_hc
-    [T, hc, D] (after its FFN ``hc_post``), the value whose RMS norm feeds the LM head after the last layer.
+                    stages: Backend | None = None, reduction: TargetReduction = "mean") -> np.ndarray:
+    """One target layer's DSpark feature [T, D] from the layer's output streams x_hc [T, hc, D] (after its FFN
+    ``hc_post``); bf16 values in a2a3 and deepseek. Padding (zero) rows give zero rows.
 
-    This is upstream pypto-lib's definition (``dspark_target_hidden`` of its prefill, slot order = the
-    configured target layers); a mean of the hc streams, which one public vLLM fork returns, is another
-    reduction (docs/checkpoints.md section 6). Padding (zero) rows give zero rows. stages: the backend's head
-    stages (default the reference's).
+    * ``"mean"`` (default): the plain mean of the hc streams, DeepSeek's definition (``Transformer.forward`` of
+      its DSpark release appends ``h.mean(dim=2)`` after each target layer; docs/checkpoints.md section 6), what
+      the drafter was trained on;
+    * ``"hc_head"``: the model-level ``hc_head`` of the streams (the value whose RMS norm feeds the LM head after
+      the last layer), upstream pypto-lib's ``dspark_target_hidden``, kept for comparison with it.
+
+    stages: the backend whose ``stream_mean`` / ``hc_head`` stage computes it (default the registry's reference).
     """
-    return (head_stages(None) if stages is None else stages).hc_head(x_hc, head.hc, config, precision=precision)
+    chosen = head_stages(None) if stages is None else stages
+    if reduction == "hc_head":
+        return chosen.hc_head(x_hc, head.hc, config, precision=precision)
+    if reduction != "mean":
+        raise ValueError(f"reduction={reduction!r} is not one of {list(TARGET_REDUCTIONS)}")
+    return chosen.stream_mean(x_hc, precision=precision)
 
 
 def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
@@ -102,7 +121,8 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
         return ForwardResult(x_hc=np.zeros((0, cfg.hc_mult, d), np.float32), hidden=np.zeros((0, d), np.float32),
                              logit_rows=rows.astype(np.int32), logits=np.zeros((rows.size, cfg.vocab_size), np.float32),
                              sampled=np.full(rows.size, -1, np.int64),
-                             target_hidden=np.zeros((0, len(targets) * d), np.float32) if targets else None)
+                             target_hidden=np.zeros((0, len(targets) * d), np.float32) if targets else None,
+                             target_hidden_hc_head=np.zeros((0, len(targets) * d), np.float32) if targets else None)
     plan = BatchPlan.build(batch, rank=rank, precision=prec)
     stages = default_backend(backend)  # the registry's reference when no backend is given
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
@@ -116,12 +136,15 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
         x_hc = np.array(inputs, dtype=np.float32)
     head = weights.head()
     features = np.zeros((x_hc.shape[0], len(targets) * d), np.float32) if targets else None
+    features_hc_head = None if features is None else np.zeros_like(features)
     for done, i in enumerate(run, start=1):
         x_hc = run_layer(plan, i, x_hc, weights.layer(i), caches[i], token_ids=token_ids, all_gather=all_gather,
                          backend=stages, prepared=cache)
-        if features is not None and i in targets:
+        if features is not None and features_hc_head is not None and i in targets:
             k = targets[i]
             features[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec, stages=stages)
+            features_hc_head[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec, stages=stages,
+                                                                     reduction="hc_head")
         if on_layer is not None:
             on_layer(done, len(run))
 
@@ -136,7 +159,8 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
         shard[:, : part.shape[1]] = part
         logits = np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, : cfg.vocab_size])
     return ForwardResult(x_hc=x_hc, hidden=hidden, logit_rows=rows.astype(np.int32), logits=logits,
-                         sampled=stages.greedy(logits, rows), target_hidden=features)
+                         sampled=stages.greedy(logits, rows), target_hidden=features,
+                         target_hidden_hc_head=features_hc_head)
 
 
 def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,

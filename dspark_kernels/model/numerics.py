@@ -24,8 +24,9 @@ Three precisions exist:
     following the release :data:`~dspark_kernels.model.deepseek_numerics.KV_RELEASE`;
   - Hadamard rotation (bf16 out) then FP4 e2m1 fake quant (blocks of 32, power-of-two scale) of the indexer
     queries and compressed indexer keys;
-  - e4m3 quantisation per 1x128 block (power-of-two scale) of the input of every Linear the checkpoint ships
-    as FP8 or FP4 (``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, ``indexer.wq_b``, shared and routed experts), then a
+  - e4m3 quantisation per 1x128 block (power-of-two scale) of the input of every Linear whose weight is stored
+    FP8 or FP4 as loaded (a shipped checkpoint: ``wq_a``, ``wq_b``, ``wkv``, ``wo_b``, ``indexer.wq_b``, shared
+    and routed experts; bf16 / float weights: none, a plain bf16 GEMM as the official ``linear()``), then a
     product with the weights as given, i.e. the FP8 / FP4 GEMM up to fp32 summation order;
   - fp32 throughout: the compressor projections, state and pooling, the gate, hc_pre / hc_post / hc_head
     arithmetic, RoPE tables, attention logits, max and sums, the LM head.
@@ -124,13 +125,88 @@ def int8_matmul(a_q: np.ndarray, b_q: np.ndarray) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
+#: torch's CPU sum (upstream's golden reference): lanes of its float vector and rows summed side by side ...
+TORCH_SUM_LANES = 8
+#: ... the independent accumulators of its inner loop, ...
+TORCH_SUM_ILP = 4
+#: ... and the levels of its cascade (each level adds up to 2**power results of the level below in order).
+TORCH_SUM_LEVELS = 4
+
+
+def _in_order(x: np.ndarray, axis: int) -> np.ndarray:
+    """Left-to-right float32 sum along ``axis`` (from zero), one add per element, as a scalar loop does."""
+    moved = np.ascontiguousarray(np.moveaxis(x, axis, 0))   # each addend contiguous
+    acc = np.zeros(moved.shape[1:], np.float32)
+    for part in moved:
+        np.add(acc, part, out=acc)
+    return acc
+
+
+def _cascade_levels(items: np.ndarray, power: int, levels: int) -> list[np.ndarray]:
+    """torch's multi-level cascade over axis -3 of items [..., n, ILP, LANES]: returns the accumulators
+    [level 0 (the trailing items), level 1, ..., level ``levels - 1``], each [..., ILP, LANES]."""
+    step = 1 << power
+    n = items.shape[-3]
+    full = n - n % step
+    accs = [_in_order(items[..., full:, :, :], -3)]                 # level 0: what follows the last full chunk
+    below = items[..., :full, :, :]
+    for level in range(1, levels):
+        count = below.shape[-3] // step
+        sums = _in_order(below.reshape(*below.shape[:-3], count, step, *below.shape[-2:]), -3)   # full chunks
+        if level == levels - 1:                     # the last level never flushes: every chunk sum, in order
+            accs.append(_in_order(sums, -3))
+            break
+        flushed = sums.shape[-3] - sums.shape[-3] % step
+        accs.append(_in_order(sums[..., flushed:, :, :], -3))     # chunks since this level's last flush
+        below = sums[..., :flushed, :, :]
+    return accs
+
+
+def _row_sum(items: np.ndarray) -> np.ndarray:
+    """ATen's ``row_sum`` over axis -2 of items [..., n, W] (W lanes summed side by side): groups of
+    :data:`TORCH_SUM_ILP` items through the cascade, leftover items into accumulator 0, accumulators in order."""
+    n, ilp = items.shape[-2], TORCH_SUM_ILP
+    groups = n // ilp
+    power = max(4, (int(groups - 1).bit_length() if groups > 1 else 0) // TORCH_SUM_LEVELS)
+    grouped = items[..., : groups * ilp, :].reshape(*items.shape[:-2], groups, ilp, items.shape[-1])
+    accs = _cascade_levels(grouped, power, TORCH_SUM_LEVELS)
+    acc = accs[0]
+    for higher in accs[1:]:
+        acc = acc + higher                                                                # (..., ilp, W)
+    out = np.concatenate([acc[..., :1, :], items[..., groups * ilp:, :], acc[..., 1:, :]], axis=-2)
+    return _in_order(out, -2)
+
+
+def torch_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last (contiguous) axis in exactly the order of torch's CPU float32 ``sum`` / ``mean``
+    (ATen's ``cascade_sum``): [..., K] -> [...] float32.
+
+    K >= :data:`TORCH_SUM_LANES`: the row is read as vectors of that many lanes; groups of :data:`TORCH_SUM_ILP`
+    vectors feed that many accumulators through a :data:`TORCH_SUM_LEVELS`-level cascade (chunks of
+    ``2**max(4, ceil(log2(groups)) // levels)`` groups added in order, chunk sums added in order into the next
+    level); leftover vectors join accumulator 0, the accumulators are added in order, then the leftover scalars
+    and the lanes, in order, to a zero. Narrower rows take the same steps one scalar at a time. Pinned bit for
+    bit against torch (tests/kernels/test_numerics.py).
+    """
+    v = np.asarray(v, dtype=np.float32)
+    k, lanes = v.shape[-1], TORCH_SUM_LANES
+    if k < lanes:
+        return _row_sum(v[..., None])[..., 0]
+    nvec = k // lanes
+    lane_sums = _row_sum(v[..., : nvec * lanes].reshape(*v.shape[:-1], nvec, lanes))       # (..., lanes)
+    # one scalar accumulator from zero: the scalars past the last vector, then the lanes
+    return _in_order(np.concatenate([v[..., nvec * lanes:], lane_sums], axis=-1), -1)
+
+
 def rms_norm(v: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """``v / sqrt(mean(v**2, last axis) + eps) * weight`` in float32; ``weight=None`` is unweighted.
 
-    v: [..., K] float32; weight: [K] float32 or None. Returns [..., K] float32.
+    v: [..., K] float32; weight: [K] float32 or None. Returns [..., K] float32. The mean of squares is
+    :func:`torch_sum` of ``v * v`` over K (torch's ``pow(2).mean(-1)``, as upstream's golden reference computes
+    it: an fp32 ``einsum`` flips the inverse RMS by several ulps on most rows and bf16 outputs with it).
     """
     v = np.asarray(v, dtype=np.float32)
-    mean_sq = np.einsum("...i,...i->...", v, v)[..., None] / np.float32(v.shape[-1])     # (..., 1)
+    mean_sq = (torch_sum(v * v) / np.float32(v.shape[-1]))[..., None]                   # (..., 1)
     out = v * (np.float32(1.0) / np.sqrt(mean_sq + np.float32(eps)))
     if weight is not None:
         out *= weight

@@ -2,7 +2,8 @@
 that the caller of a forward (or of one attention call) owns.
 
 ``"fp32"`` and ``"deepseek"``: the checkpoint's float32 arrays unchanged; no scales (``"deepseek"`` quantises
-activations, never weights: :mod:`dspark_kernels.model.deepseek_numerics`).
+activations, never weights: :mod:`dspark_kernels.model.deepseek_numerics`; ``fp8_inputs`` names the Linears whose
+weights were stored FP8 / FP4 as loaded, whose inputs it quantises).
 ``"a2a3"``: the dtypes of upstream's a2a3 kernels (their prefill entry's tensor list):
 
 * bf16 (bf16-rounded float32): ``wq_a``, ``q_norm``, ``wkv``, ``kv_norm``, ``wo_a``, compressor ``wkv``/``wgate``/
@@ -20,6 +21,7 @@ import threading
 import attrs
 import numpy as np
 
+from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.attention_weights import AttentionWeights, CompressorWeights
 from dspark_kernels.model.numerics import Precision, bf16_round, check_precision, hadamard, int8_quantize
 
@@ -59,6 +61,9 @@ class PreparedWeights:
     idx_compressor: PreparedCompressor | None
     idx_hadamard: np.ndarray | None
     """[dI, dI] Sylvester Hadamard / sqrt(dI) (bf16-rounded in a2a3); CSA only"""
+    fp8_inputs: frozenset[str] = frozenset()
+    """Block-relative names (``attn.wq_a``, ...) of the Linears whose weight is stored FP8 / FP4 as loaded, minus
+    ``wo_a`` (:func:`~dspark_kernels.model.deepseek_numerics.fp8_inputs`): ``"deepseek"`` quantises their inputs."""
 
 
 def _weight(w: np.ndarray, precision: Precision) -> np.ndarray:
@@ -103,7 +108,7 @@ def prepare_weights(weights: AttentionWeights, precision: str) -> PreparedWeight
         wo_a=wo_a, wo_b=wo_b, wo_b_scale=wo_b_scale, attn_sink=weights.attn_sink,
         compressor=_compressor(weights.compressor, prec), idx_wq_b=idx_wq_b, idx_wq_b_scale=idx_scale,
         idx_weights_proj=idx_proj, idx_compressor=_compressor(idx.compressor if idx else None, prec),
-        idx_hadamard=idx_h,
+        idx_hadamard=idx_h, fp8_inputs=ds.fp8_inputs(weights.fp8_stored, "attn."),
     )
 
 

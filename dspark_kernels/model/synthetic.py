@@ -22,12 +22,14 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 import ml_dtypes
 import numpy as np
 
 from dspark_abi import ModelConfig
+from dspark_abi.io import safe_write
 from dspark_kernels.model import quant
 from dspark_kernels.model.checkpoint_format import QuantFormat, TensorFormat, model_formats
 from dspark_kernels.model.shard_index import INDEX_FILE
@@ -60,7 +62,8 @@ class Entry:
 
 def write_safetensors(path: str | Path, entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file tensor by tensor: the header first (sizes are known from shapes), then each
-    tensor's bytes as its producer makes them, so memory holds one tensor at a time."""
+    tensor's bytes as its producer makes them, so memory holds one tensor at a time. Written through
+    :func:`dspark_abi.io.safe_write.write_with`: a target that is not a regular file is refused, never replaced."""
     entries = list(entries)
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -69,13 +72,16 @@ def write_safetensors(path: str | Path, entries: Iterable[Entry], metadata: dict
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)                       # the format aligns the data to 8 bytes
-    with Path(path).open("wb") as fh:
+
+    def write(fh: BinaryIO) -> None:
         fh.write(struct.pack("<Q", len(text)) + text)
         for e in entries:
             data = np.ascontiguousarray(e.produce())
             if data.nbytes != e.nbytes or _CODES.get(data.dtype) not in (e.code, None):
                 raise ValueError(f"{e.name}: producer gave {data.dtype} {data.shape}, header says {e.code} {e.shape}")
             fh.write(data.reshape(-1).view(np.uint8).data)  # bytes view: ml_dtypes have no buffer format
+
+    safe_write.write_with(path, write)
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -144,7 +150,10 @@ def short_schedule(config: ModelConfig, ratios: tuple[int, ...] = (0, 4, 128), *
 
 def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
                      quant_format: QuantFormat | None = None) -> Path:
-    """Write a checkpoint of ``config`` in the shipped format into ``folder`` (created; files overwritten).
+    """Write a checkpoint of ``config`` in the shipped format into ``folder`` (created; regular files overwritten).
+
+    Every target is checked before the first byte is written (:func:`dspark_abi.io.safe_write.check_target`:
+    a directory, device, FIFO or socket in the folder's place of a file raises ``WriteTargetError``).
 
     Shards: ``model-00000-of-0000N.safetensors`` holds embed, norm, head and hc_head; shard ``i + 1`` holds
     layer i. Returns the folder. ``quant_format`` defaults to V4-Flash's (FP8 blocks, FP4 experts).
@@ -157,12 +166,14 @@ def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
     groups: list[list[TensorFormat]] = [[f for n, f in formats.items() if not n.startswith("layers.")]]
     groups += [[f for n, f in formats.items() if n.startswith(f"layers.{i}.")] for i in range(config.num_layers)]
     total = len(groups)
+    files = [f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(total)]
+    for name in [*files, INDEX_FILE, "config.json"]:        # all of them before the first (large) write
+        safe_write.check_target(root / name)
     weight_map: dict[str, str] = {}
-    for k, group in enumerate(groups):
-        file = f"model-{k:05d}-of-{total:05d}.safetensors"
+    for file, group in zip(files, groups, strict=True):
         entries = [e for f in group for e in tensor_entries(source, f, seed)]
         write_safetensors(root / file, entries, metadata={"format": "pt"})
         weight_map |= {e.name: file for e in entries}
-    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-    (root / "config.json").write_text(json.dumps(config.to_hf_config() | q.to_hf_config(), indent=1))
+    safe_write.write_text(root / INDEX_FILE, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    safe_write.write_text(root / "config.json", json.dumps(config.to_hf_config() | q.to_hf_config(), indent=1))
     return root

@@ -296,12 +296,18 @@ class ModelWeights:
             self._stacked = stacked
         return stacked
 
+    def _stored_fp8(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored FP8 / FP4 as loaded (a checkpoint's header says; in-memory and random
+        weights are floats)."""
+        return isinstance(self._source, ShardIndex) and self._source.kind(name) in ("fp8_block", "fp4_block")
+
     def _read_layer(self, i: int) -> LayerWeights:
         c, t, p = self.config, self.tensor, f"layers.{i}."
         attn_names = [AttentionWeights.prefix(i) + n for n in expected_shapes(c, i)]
         int8 = getattr(self._source, "int8_parts", None)
         stored = {} if int8 is None else {n: parts for n in attn_names if (parts := int8(n)) is not None}
-        attn = AttentionWeights.from_tensors(c, i, {n: self._source.load(n) for n in attn_names}, int8=stored)
+        attn = AttentionWeights.from_tensors(c, i, {n: self._source.load(n) for n in attn_names}, int8=stored,
+                                             fp8=[n for n in attn_names if self._stored_fp8(n)])
         e_count = c.moe.n_routed_experts
         stack = self._experts(i)
         shared = {w: (t(f"{p}ffn.shared_experts.{w}.weight") if c.moe.n_shared_experts else None)
@@ -311,9 +317,15 @@ class ModelWeights:
         if tid2eid is not None and (tid2eid.min() < 0 or tid2eid.max() >= e_count):
             raise ABIError([Issue("config.mismatch", p + "ffn.gate.tid2eid", "expert ids must lie in [0, E)",
                                   expected=f"[0, {e_count})", actual=[int(tid2eid.min()), int(tid2eid.max())])])
+        fp8 = {f"ffn.experts.{w}" for w in ("w1", "w2", "w3")
+               if all(self._stored_fp8(f"{p}ffn.experts.{e}.{w}.weight") for e in range(e_count))}
+        if c.moe.n_shared_experts:
+            fp8 |= {f"ffn.shared_experts.{w}" for w in ("w1", "w2", "w3")
+                    if self._stored_fp8(f"{p}ffn.shared_experts.{w}.weight")}
         moe = MoEWeights(gate_w=t(p + "ffn.gate.weight"), gate_bias=None if hash_layer else t(p + "ffn.gate.bias"),
                          tid2eid=tid2eid, w1=stack["w1"], w2=stack["w2"], w3=stack["w3"],
-                         shared_w1=shared["w1"], shared_w2=shared["w2"], shared_w3=shared["w3"])
+                         shared_w1=shared["w1"], shared_w2=shared["w2"], shared_w3=shared["w3"],
+                         fp8_stored=frozenset(fp8))
 
         def hc(which: str) -> HcWeights:
             return HcWeights(t(f"{p}hc_{which}_fn"), t(f"{p}hc_{which}_scale"), t(f"{p}hc_{which}_base"))

@@ -100,6 +100,11 @@ class PyptoBackend:
         _check_precision(precision)
         return self._run(_hc_head, x_hc, weights, config)
 
+    def stream_mean(self, x_hc: np.ndarray, *, precision: Precision) -> np.ndarray:
+        """The reference head's ``stream_mean`` (DeepSeek's DSpark target feature) in a2a3: [T, D] bf16 values."""
+        _check_precision(precision)
+        return self._run(_stream_mean, x_hc)
+
     def final_hidden(self, x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *, precision: Precision
                      ) -> np.ndarray:
         """The reference's ``final_hidden`` (hc_head + final RMSNorm) in a2a3 numerics: [T, D] fp32 (bf16 values)."""
@@ -154,6 +159,12 @@ def _hc_head(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig) -> np.nd
     from dspark_kernels.pypto.hyper_connections import hc_head
 
     return hc_head(x_hc, weights, config)
+
+
+def _stream_mean(x_hc: np.ndarray) -> np.ndarray:
+    from dspark_kernels.pypto.head import stream_mean
+
+    return stream_mean(x_hc)
 
 
 def _final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig) -> np.ndarray:

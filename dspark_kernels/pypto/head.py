@@ -10,6 +10,9 @@ static per call.
 :func:`~dspark_kernels.pypto.hyper_connections.hc_head_args` lays it out), ``norm`` [1, X] fp32 in;
 ``hidden`` [T, X] bf16 out = ``bf16(rms(bf16(hc_head(x)), norm))``. Zero (padding) rows give zero rows.
 
+``stream_mean`` kernel (the DSpark target features): ``x`` [T, hc*X] fp32 in (x_hc flattened), ``out`` [T, X] bf16
+= ``bf16(((x_0 + x_1) + ... + x_{hc-1}) * (1 / hc))``, the reference's ``stream_mean`` in a2a3.
+
 ``logits`` kernel: ``x_out`` [T, X] bf16 in, ``rows`` [M] int32 in (group rows, -1 inactive), ``head`` [Vp, X]
 bf16 in (one shard of ``head.weight``, pad rows 0); ``logits`` [M, Vp] fp32 out: ``x_out[rows] @ head.T``
 (bf16 x bf16 products, fp32 accumulation, as upstream's cube matmul), exactly 0 on inactive rows.
@@ -74,6 +77,40 @@ def final_hidden_kernel(rows: int, hc: int, hidden: int, eps: float, norm_eps: f
         out[:] = pypto.cast(bf16_then_norm(y, norm, norm_eps), pypto.DT_BF16)
 
     return final_hidden
+
+
+#: Vector tiles of the stream mean (rows, hidden columns).
+MEAN_TILE = (32, 512)
+
+
+@lru_cache(maxsize=16)
+def stream_mean_kernel(rows: int, hc: int, hidden: int) -> Any:
+    """The stream-mean jit kernel for one geometry (module docstring)."""
+
+    @kernel
+    def stream_mean(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+                    x: pypto.Tensor([rows, hc * hidden], pypto.DT_FP32),
+                    out: pypto.Tensor([rows, hidden], pypto.DT_BF16)):
+        _sizes = (rows, hc, hidden)  # closure capture: the annotations read these
+        pypto.set_vec_tile_shapes(*MEAN_TILE)
+        acc = pypto.view(x, [rows, hidden], [0, 0])
+        for j in range(1, hc):  # the streams in order, as the reference adds them
+            acc = pypto.add(acc, pypto.view(x, [rows, hidden], [0, j * hidden]))
+        out[:] = pypto.cast(pypto.mul(acc, 1.0 / hc), pypto.DT_BF16)
+
+    return stream_mean
+
+
+def stream_mean(x_hc: np.ndarray) -> np.ndarray:
+    """The reference's ``stream_mean(x_hc, precision="a2a3")`` through the kernel: x_hc [T, hc, X] fp32 -> [T, X]
+    fp32 holding bf16 values."""
+    x_hc = np.asarray(x_hc, dtype=np.float32)
+    rows, hc, hidden = x_hc.shape
+    if rows == 0:
+        return np.zeros((0, hidden), np.float32)
+    out = launch(stream_mean_kernel(rows, hc, hidden),
+                 [np.ascontiguousarray(x_hc.reshape(rows, hc * hidden)), Out((rows, hidden), BF16, "features")])
+    return out.values[-1].astype(np.float32)
 
 
 @lru_cache(maxsize=16)

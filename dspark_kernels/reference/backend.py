@@ -57,6 +57,10 @@ class ReferenceBackend:
         """:func:`~dspark_kernels.reference.hyper_connections.hc_head`."""
         return hyper_connections.hc_head(x_hc, weights, config, precision=precision)
 
+    def stream_mean(self, x_hc: np.ndarray, *, precision: Precision) -> np.ndarray:
+        """:func:`~dspark_kernels.reference.head.stream_mean`."""
+        return head.stream_mean(x_hc, precision=precision)
+
     def final_hidden(self, x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *, precision: Precision
                      ) -> np.ndarray:
         """:func:`~dspark_kernels.reference.head.final_hidden`."""

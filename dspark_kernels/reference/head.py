@@ -33,6 +33,19 @@ def final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *,
     return narrow(rms_norm(h, weights.norm, config.rms_norm_eps), precision)
 
 
+def stream_mean(x_hc: np.ndarray, *, precision: Precision = "fp32") -> np.ndarray:
+    """The plain mean of the hyper-connection streams: x_hc [T, hc, D] fp32 -> [T, D] fp32 (bf16 values in a2a3
+    and deepseek), ``((x_0 + x_1) + ... + x_{hc-1}) / hc`` in fp32 as torch's ``mean(dim=2)`` of bf16 streams adds
+    them, rounded to bf16 once. DeepSeek's DSpark target feature of a target layer (``h.mean(dim=2)`` of the
+    layer's output, docs/checkpoints.md section 6). Zero (padding) rows give zero rows."""
+    check_precision(precision)
+    x_hc = np.asarray(x_hc, dtype=np.float32)
+    acc = x_hc[:, 0].copy()
+    for j in range(1, x_hc.shape[1]):   # the hc streams (4), in order
+        acc += x_hc[:, j]
+    return narrow(acc * np.float32(1.0 / x_hc.shape[1]), precision)
+
+
 def logits_for_rows(x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
     """LM-head logits of the requested rows: x_out [T, D], rows [M] int (-1 = inactive), head_w [V', D]
     (the whole head or one vocabulary shard) -> [M, V'] fp32, zero on inactive rows."""

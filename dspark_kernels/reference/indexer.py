@@ -82,7 +82,7 @@ def index_query(lrq: LowRankQuery, x: np.ndarray, w: PreparedWeights, cos: np.nd
     q = lrq.project(w.idx_wq_b, w.idx_wq_b_scale, "attn.indexer.wq_b")               # (T, HI*dI)
     q = narrow(apply_rope(q.reshape(q.shape[0], heads, -1), cos, sin), precision)    # (T, HI, dI)
     if precision == "deepseek":
-        proj = ds.linear(x, w.idx_weights_proj, "attn.indexer.weights_proj")          # (T, HI) bf16
+        proj = ds.linear(x, w.idx_weights_proj, "attn.indexer.weights_proj", w.fp8_inputs)          # (T, HI) bf16
         return IndexerQuery(ds.index_fake_quant(q), np.ones(q.shape[:2], dtype=np.float32),
                             narrow(proj * np.float32(weight_scale), precision))
     q = (q.reshape(-1, q.shape[2]) @ w.idx_hadamard).reshape(q.shape)                 # (T, HI, dI)

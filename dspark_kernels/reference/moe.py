@@ -13,7 +13,9 @@ Math (DeepSeek-V4 ``Gate`` / ``Expert`` / ``MoE``; upstream's post-attention sta
 * weights ``w = s[selected]``, divided by their sum when ``norm_topk_prob`` and scoring is not softmax
   (DeepSeek-V4 never renormalises softmax scores), then times ``routed_scaling_factor``;
 * routed expert e: ``h = silu(min(x@w1.T, L)) * clip(x@w3.T, -L, L)`` with ``L = swiglu_limit`` (0 = no clamp),
-  ``y_e = (w_e * h) @ w2.T``; the shared expert is the same SwiGLU without the clamp and without a weight;
+  ``y_e = (w_e * h) @ w2.T``; the shared expert is the same clamped SwiGLU without a weight (DeepSeek's
+  ``inference/model.py`` as shipped with DeepSeek-V4-Flash-DSpark / -0731 builds it with ``swiglu_limit``; the
+  earlier V4-Flash release, 0825add, did not: docs/checkpoints.md section 4);
 * ``out = sum_e y_e + shared``.
 
 Experts run vectorized: the (row, slot) pairs are grouped by expert id
@@ -24,7 +26,8 @@ Precision ``"a2a3"``: the numerics of upstream's a2a3 MoE kernels and their gold
 commit 634e77b, ``models/deepseek_v4_flash_dspark/``: ``gate.py`` (``gate``, ``golden_gate_core``),
 ``expert_routed.py``, ``expert_shared.py``, and ``moe.py`` (``combine``)), W8A8 throughout:
 
-* input bf16 rows. The ffn RMSNorm is deferred into the gate: ``inv_rms = 1 / sqrt(sum(x^2) * (1/D) + eps)`` and
+* input bf16 rows. The ffn RMSNorm is deferred into the gate: ``inv_rms = 1 / sqrt(sum(x^2) * (1/D) + eps)`` (the
+  sum in torch's CPU order, :func:`~dspark_kernels.model.numerics.torch_sum`, as upstream's ``golden_gate_core``) and
   ``xg = x * bf16(ffn_norm)`` in fp32, never narrowed (without ``norm``: ``inv_rms = 1``, ``xg = x``);
 * gate in fp32: ``logits = (xg @ gate_w.T) * inv_rms``, scores, selection and weights as above;
 * one per-token int8 quantisation of ``xg`` (``int8q``: amax floored at 1e-4, ``q = rint(xg * 127 / amax)``)
@@ -36,14 +39,14 @@ commit 634e77b, ``models/deepseek_v4_flash_dspark/``: ``gate.py`` (``gate``, ``g
   with w3, the SwiGLU clamp, ``h = gate * (1 / (1 + exp(-gate))) * up`` in fp32; ``h`` re-quantised per row
   (``int8q`` again: ``h_q``, ``h_scale``); ``y = bf16((h_q @ w2_q.T in int32) * (h_scale * w) * w2_scale)``:
   the routing weight joins after the re-quantisation, on the dequant scale;
-* the shared expert: the same chain without a routing weight **and with the SwiGLU clamp** (upstream's
-  ``expert_shared`` applies ``swiglu_limit``; DeepSeek's shared expert does not clamp: a difference of the a2a3
-  kernels that this mode reproduces), output bf16;
+* the shared expert: the same chain without a routing weight, with the SwiGLU clamp (as upstream's
+  ``expert_shared`` and DeepSeek's DSpark release), output bf16;
 * ``out = bf16(shared + y_slot0 + y_slot1 + ...)``, fp32 additions in slot order.
 
 Precision ``"deepseek"`` (DeepSeek's official ``MoE`` / ``Expert``, :mod:`dspark_kernels.model.deepseek_numerics`):
-bf16 input rows, the gate in fp32; every expert projection (routed FP4, shared FP8) quantises its input to e4m3
-per 1x128 block and returns bf16; ``silu(gate) * up`` (times the routing weight) in fp32, rounded to bf16 before
+bf16 input rows, the gate in fp32; every expert projection returns bf16 and, when its weight is stored FP8 / FP4
+(``MoEWeights.fp8_stored``; shipped: routed FP4, shared FP8), quantises its input to e4m3 per 1x128 block first;
+``silu(gate) * up`` (times the routing weight) in fp32, rounded to bf16 before
 ``w2``; the expert outputs are summed in fp32 in expert order, then the shared expert; the output is bf16.
 """
 
@@ -65,6 +68,7 @@ from dspark_kernels.model.numerics import (
     linear,
     narrow,
     rms_norm,
+    torch_sum,
 )
 
 
@@ -114,9 +118,10 @@ def _swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     return gate * (np.float32(1) / (np.float32(1) + np.exp(-gate))) * up  # silu(gate) * up, as the kernels
 
 
-def _project(x: np.ndarray, w: np.ndarray, name: str, precision: Precision) -> np.ndarray:
-    """``x @ w.T``; in ``"deepseek"`` the official Linear of checkpoint tensor ``name`` (FP8 / FP4 GEMM, bf16 out)."""
-    return ds.linear(x, w, name) if precision == "deepseek" else x @ w.T
+def _project(x: np.ndarray, w: np.ndarray, name: str, precision: Precision, fp8: frozenset[str]) -> np.ndarray:
+    """``x @ w.T``; in ``"deepseek"`` the official Linear of checkpoint tensor ``name`` (bf16 out; an FP8 / FP4
+    GEMM when ``name`` is in ``fp8``, the layer's ``MoEWeights.fp8_stored``)."""
+    return ds.linear(x, w, name, fp8) if precision == "deepseek" else x @ w.T
 
 
 def routed_experts(x: np.ndarray, expert_w: np.ndarray, expert_ids: np.ndarray, weights: MoEWeights,
@@ -132,22 +137,25 @@ def routed_experts(x: np.ndarray, expert_w: np.ndarray, expert_ids: np.ndarray, 
     for e, pairs in ExpertGroups.build(expert_ids, weights.w1.shape[0]):  # pairs: (n_e,) pair ids t*K + k
         rows = pairs // k                                                 # (n_e,) token rows
         xe = x[rows]                                                      # (n_e, D)
-        h = _swiglu(_project(xe, weights.w1[e], "ffn.experts.w1", precision),
-                    _project(xe, weights.w3[e], "ffn.experts.w3", precision), limit)
+        h = _swiglu(_project(xe, weights.w1[e], "ffn.experts.w1", precision, weights.fp8_stored),
+                    _project(xe, weights.w3[e], "ffn.experts.w3", precision, weights.fp8_stored), limit)
         h = narrow(h * pair_w[pairs][:, None], precision)                 # (n_e, I)
-        ye = _project(h, weights.w2[e], "ffn.experts.w2", precision)     # (n_e, D)
+        ye = _project(h, weights.w2[e], "ffn.experts.w2", precision, weights.fp8_stored)     # (n_e, D)
         np.add.at(out, rows, ye)  # a row may pick one expert twice only through a hash table; add.at sums both
     return out
 
 
-def shared_expert(x: np.ndarray, weights: MoEWeights, *, precision: Precision = "fp32") -> np.ndarray:
-    """The always-on expert (SwiGLU without the clamp): [T, D] -> [T, D] fp32; zeros when there is none."""
+def shared_expert(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, precision: Precision = "fp32"
+                  ) -> np.ndarray:
+    """The always-on expert, a SwiGLU clamped at ``swiglu_limit`` like the routed experts (DeepSeek's DSpark
+    release): [T, D] -> [T, D] fp32; zeros when there is none."""
     w1, w2, w3 = weights.shared_w1, weights.shared_w2, weights.shared_w3
     if _no_shared(weights) or w1 is None or w2 is None or w3 is None:
         return np.zeros_like(x, dtype=np.float32)
-    h = _swiglu(_project(x, w1, "ffn.shared_experts.w1", precision),
-                _project(x, w3, "ffn.shared_experts.w3", precision), 0.0)
-    return _project(narrow(h, precision), w2, "ffn.shared_experts.w2", precision)
+    fp8 = weights.fp8_stored
+    h = _swiglu(_project(x, w1, "ffn.shared_experts.w1", precision, fp8),
+                _project(x, w3, "ffn.shared_experts.w3", precision, fp8), float(config.moe.swiglu_limit))
+    return _project(narrow(h, precision), w2, "ffn.shared_experts.w2", precision, fp8)
 
 
 # ---------------------------------------------------------------------------------------------- a2a3 (W8A8)
@@ -175,7 +183,7 @@ def quantized_gate(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, n
     if norm is None:
         xg, inv_rms = x, np.ones(x.shape[0], np.float32)
     else:
-        ssq = np.einsum("td,td->t", x, x)                                                  # (T,)
+        ssq = torch_sum(x * x)   # (T,) in the order of upstream's golden (torch's CPU sum of x * x)
         inv_rms = np.float32(1) / np.sqrt(ssq * np.float32(1.0 / x.shape[1]) + np.float32(config.rms_norm_eps))
         xg = x * bf16_round(np.asarray(norm, dtype=np.float32))                             # (T, D)
     x_q, x_dq = int8_quantize(xg)
@@ -263,6 +271,6 @@ def moe(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np.nda
         xl = narrow(rms_norm(xl, np.asarray(norm, dtype=np.float32), config.rms_norm_eps), precision)
     expert_w, expert_ids = route(xl, weights, config, ids)
     y = routed_experts(xl, expert_w, expert_ids, weights, config, precision=precision)
-    y += shared_expert(xl, weights, precision=precision)
+    y += shared_expert(xl, weights, config, precision=precision)
     out[rows] = narrow(y, precision)
     return out

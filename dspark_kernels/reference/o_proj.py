@@ -29,11 +29,11 @@ def output_projection(o: np.ndarray, w: PreparedWeights, precision: Precision) -
     y = np.empty((o.shape[0], groups, rank), dtype=np.float32)                        # (T, G, Ro)
     for g in range(groups):  # one 2-D matmul per group keeps BLAS on contiguous operands
         if precision == "deepseek":
-            y[:, g] = ds.linear(o[:, g * width:(g + 1) * width], w.wo_a[g], "attn.wo_a")
+            y[:, g] = ds.linear(o[:, g * width:(g + 1) * width], w.wo_a[g], "attn.wo_a", w.fp8_inputs)
         else:
             y[:, g] = linear(o[:, g * width:(g + 1) * width], w.wo_a[g])
     if precision == "deepseek":
-        return ds.linear(y.reshape(o.shape[0], groups * rank), w.wo_b, "attn.wo_b")     # (T, X)
+        return ds.linear(y.reshape(o.shape[0], groups * rank), w.wo_b, "attn.wo_b", w.fp8_inputs)     # (T, X)
     if precision == "fp32" or w.wo_b_scale is None:
         return linear(y.reshape(o.shape[0], groups * rank), w.wo_b)                     # (T, X)
     y_q, y_scale = int8_quantize(y)                                                   # (T, G, Ro), (T, G)

@@ -37,6 +37,8 @@ class LowRankQuery:
     qr_scale: np.ndarray | None
     """[T] float32 dequant scale (a2a3) or None"""
     precision: Precision = "fp32"
+    fp8: frozenset[str] = frozenset()
+    """deepseek: the layer's Linears stored FP8 / FP4 (``PreparedWeights.fp8_inputs``)"""
 
     def project(self, weight: np.ndarray, scale: np.ndarray | None, name: str | None = None) -> np.ndarray:
         """``qr @ weight.T`` [T, out]; with int8 ``weight`` and ``scale`` [out], the a2a3 integer product; in
@@ -44,7 +46,7 @@ class LowRankQuery:
         if self.precision == "deepseek":
             if name is None:
                 raise ValueError("a deepseek projection needs the weight's checkpoint name (e.g. 'attn.wq_b')")
-            return ds.linear(self.qr, weight, name)
+            return ds.linear(self.qr, weight, name, self.fp8)
         if scale is None or self.qr_q is None or self.qr_scale is None:
             return linear(self.qr, weight)
         return int8_matmul(self.qr_q, weight) * self.qr_scale[:, None] * scale[None, :]
@@ -53,8 +55,8 @@ class LowRankQuery:
 def low_rank_query(x: np.ndarray, w: PreparedWeights, eps: float, precision: Precision) -> LowRankQuery:
     """``qr = rms_norm(x @ wq_a.T, q_norm)`` for query rows x [T, X]; quantised per row in a2a3."""
     if precision == "deepseek":
-        qr = narrow(rms_norm(ds.linear(x, w.wq_a, "attn.wq_a"), w.q_norm, eps), precision)  # (T, Q) bf16
-        return LowRankQuery(qr, None, None, precision)
+        qr = narrow(rms_norm(ds.linear(x, w.wq_a, "attn.wq_a", w.fp8_inputs), w.q_norm, eps), precision)  # (T, Q)
+        return LowRankQuery(qr, None, None, precision, w.fp8_inputs)
     qr = rms_norm(linear(x, w.wq_a), w.q_norm, eps)                                     # (T, Q)
     if precision == "fp32":
         return LowRankQuery(qr, None, None)
@@ -76,7 +78,7 @@ def shared_kv(x: np.ndarray, w: PreparedWeights, cos: np.ndarray, sin: np.ndarra
     """kv [T, D] float32 (bf16 values in a2a3; FP8-fake-quantised non-RoPE dims in deepseek):
     ``rms_norm(x @ wkv.T, kv_norm)`` then RoPE."""
     if precision == "deepseek":
-        kv = narrow(rms_norm(ds.linear(x, w.wkv, "attn.wkv"), w.kv_norm, eps), precision)   # (T, D)
+        kv = narrow(rms_norm(ds.linear(x, w.wkv, "attn.wkv", w.fp8_inputs), w.kv_norm, eps), precision)  # (T, D)
         return ds.kv_fake_quant(narrow(apply_rope(kv, cos, sin, out=kv), precision), 2 * cos.shape[-1])
     kv = rms_norm(linear(x, w.wkv), w.kv_norm, eps)                                     # (T, D)
     return narrow(apply_rope(kv, cos, sin, out=kv), precision)

@@ -71,7 +71,8 @@ def test_prefill_reports_and_saves_the_dspark_target_hidden(tmp_path):
     proc = run("dspark_kernels.cli", "prefill", "--config", "tiny-dspark", "--request", "3@40", "--request", "4@0",
                "--tp", "2", "--json", "--save", str(path))
     summary = json.loads(proc.stdout)["target_hidden"]
-    assert summary == {"layers": [1, 2, 3], "shape": [8, 3 * 128], "saved_as": "outputs.target_hidden"}
+    assert summary == {"layers": [1, 2, 3], "shape": [8, 3 * 128], "saved_as": "outputs.target_hidden",
+                       "reduction": "mean of the hc streams (DeepSeek's h.mean(dim=2))"}
     saved = fixtures.load(path)
     target = saved.tensors["outputs.target_hidden"]
     assert target.shape == (8, 384) and target[:7].any() and not target[7:].any()   # row 7 is padding

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -114,10 +115,31 @@ def test_save_below_a_file_or_onto_a_directory_is_refused(capsys, no_compute, tm
 def test_save_into_read_only_directory_is_refused(capsys, no_compute, tmp_path, monkeypatch):
     folder = tmp_path / "ro"
     folder.mkdir(mode=0o500)
-    # root may write anywhere, so the permission answer is made the one an ordinary user gets
-    monkeypatch.setattr(os, "access", lambda path, mode: not (str(path) == str(folder) and mode & os.W_OK))
+    # root may write anywhere, so creating a file there fails as it does for an ordinary user
+    real_open = os.open
+
+    def deny(path, flags, *args):  # type: ignore[no-untyped-def]
+        if str(path).startswith(str(folder)) and flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", deny)
     code, _, err = invoke(capsys, "--request", "3@0", "--save", str(folder / "x.safetensors"))
-    one_line_error(code, err, 2, "not writable")
+    one_line_error(code, err, 2, "cannot create a file", "Permission denied")
+
+
+def test_save_into_a_virtual_file_system_names_the_real_reason_before_computing(capsys, no_compute):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc on this system")
+    code, _, err = invoke(capsys, "--request", "3@0", "--save", "/proc/x")
+    line = one_line_error(code, err, 2, "/proc/x", "cannot create a file in directory /proc")
+    assert "free space" not in line
+
+
+def test_save_onto_dev_null_is_refused_and_dev_null_survives(capsys, no_compute):
+    code, _, err = invoke(capsys, "--request", "3@0", "--save", os.devnull)
+    one_line_error(code, err, 2, os.devnull, "character device", "left as it is")
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
 
 
 def test_save_with_json_keeps_stdout_one_json_document(capsys, tmp_path):
@@ -387,3 +409,85 @@ def test_abi_errors_are_one_line_with_the_builder_message():
     assert "\n" not in line and line.startswith("--request 4@0: builder.request")
     assert "must start where its previous chunk ended; expected 30, got 0" in line
     assert "see the message" not in line and line.endswith("(and 1 more: qsl.token_count)")
+
+
+# ---------------------------------------------------------------------------------------------- newcomer findings
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        cli.make_parser().parse_args(["--version"])
+    out, _ = capsys.readouterr()
+    assert info.value.code == 0 and out.strip() == f"dspark {version('dspark')}"
+    assert cli.main(["--version"]) == 0
+
+
+def test_a_negative_request_names_the_real_problem(capsys, no_compute):
+    code, _, err = invoke(capsys, "--request", "-1@0")
+    line = one_line_error(code, err, 2, "-1@0", "non-negative integer")
+    assert "expected one argument" not in line
+
+
+def test_weights_with_a_config_json_say_that_config_is_ignored(capsys, no_compute, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_config()))
+    _, _, err = invoke(capsys, "--weights", str(tmp_path), "--config", "demo", "--request", "3@0")
+    assert "--config demo is ignored" in err and str(tmp_path / "config.json") in err, err
+    _, _, err = invoke(capsys, "--weights", str(tmp_path), "--request", "3@0")   # no --config: no note
+    assert "ignored" not in err, err
+
+
+def test_the_repository_has_the_license_pyproject_declares():
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "LICENSE").read_text()
+    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+
+
+def test_a_long_context_shows_one_progress_over_all_its_chunks(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.0)
+    # 3 chunks of at most token_cap (8192) tokens: one stage line, then lines whose overall share only grows
+    code, _, err = invoke(capsys, "--config", "tiny-1m", "--request", "2@17000", "--tp", "1")
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("dspark prefill: 3 context call(s) (17000 cached tokens)"), err
+    ctx = [line for line in lines if line.startswith("context r0 chunk")]
+    assert {line.split(":")[0] for line in ctx} == {f"context r0 chunk {k}/3" for k in (1, 2, 3)}, err
+    shares = [int(line.split("overall ")[1].split("%")[0]) for line in ctx]
+    assert shares == sorted(shares) and shares[-1] == 100 and shares[0] < 50, err
+
+
+def test_the_context_bar_runs_on_across_chunks(capsys, monkeypatch):
+    from dspark_kernels.cli.progress import ContextProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with ContextProgress("bar", [(0, 100), (0, 100), (1, 200)], 4) as fill:
+        bars = []
+        for i in range(3):
+            on_layer = fill.chunk(i)
+            for done in range(1, 5):
+                on_layer(done, 4)
+                bars.append(fill._bar.n)
+    assert bars == sorted(bars) and bars[-1] == fill.total == 1600       # never restarts
+    assert "context r1 layer 4/4: 100%" in term.getvalue()          # tqdm throttles the frames in between
+    assert [fill.label(i) for i in range(3)] == ["context r0 chunk 1/2", "context r0 chunk 2/2", "context r1"]
+
+
+def test_random_flash_weights_warn_up_front(capsys, monkeypatch):
+    from dspark_kernels.cli import app
+    from dspark_kernels.model.weights import ModelWeights
+
+    def stop(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt     # right after the announcement: no FLASH run in a test
+
+    monkeypatch.setattr(app, "ModelCaches", type("C", (), {"allocate": staticmethod(stop)}))
+    monkeypatch.setattr(app, "check_memory", lambda *a, **k: None)
+    monkeypatch.setattr(app, "load_weights", lambda args, config: ModelWeights.random(config, keep_layers=False))
+    code, _, err = invoke(capsys, "--config", "flash", "--request", "3@126")
+    assert code == 130
+    assert "about 12 minutes" in err and "--config tiny" in err, err

@@ -16,6 +16,7 @@ from dspark_kernels.model.numerics import (
     int8_quantize,
     narrow,
     rms_norm,
+    torch_sum,
 )
 
 
@@ -68,6 +69,43 @@ def test_rms_norm_against_loop():
         want = v[i] / np.sqrt(sum(float(e) ** 2 for e in v[i]) / 10 + 1e-6) * w
         np.testing.assert_allclose(rms_norm(v, w, 1e-6)[i], want, rtol=1e-6)
     np.testing.assert_allclose(rms_norm(v, None, 1e-6) * w, rms_norm(v, w, 1e-6), rtol=1e-6)
+
+
+@pytest.mark.parametrize("width", [4096, 512, 64, 7, 100, 4100, 300_000, 4 * 8 * 16**3 + 13])
+def test_torch_sum_is_torchs_cpu_sum_bit_for_bit(width: int):
+    """rms_norm's mean of squares is torch's ``pow(2).mean(-1)`` on CPU bit for bit (upstream's golden reference),
+    on FLASH's width 4096 and on widths that reach every branch of torch's cascade: a ragged last vector (7, 100,
+    4100), a lone chunk (64), two and three cascade levels (300,000; 4*8*16**3 + 13 reaches the fourth). An fp32
+    einsum or numpy's pairwise mean differs on about a third of the rows at 4096 (measured)."""
+    import torch  # the test extra installs it; the library never imports it
+
+    rng = np.random.default_rng(width)
+    rows = 64 if width <= 4100 else 2
+    x = (rng.standard_normal((rows, width)) * rng.uniform(1e-3, 30, (rows, 1))).astype(np.float32)
+    want = torch.from_numpy(x).pow(2).mean(-1).numpy()
+    np.testing.assert_array_equal(torch_sum(x * x) / np.float32(width), want)
+    if width == 4096:
+        t = torch.from_numpy(x)
+        np.testing.assert_array_equal(rms_norm(x, None, 1e-6), (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True)
+                                                                                + 1e-6)).numpy())
+        assert (np.einsum("ij,ij->i", x, x) / np.float32(width) != want).sum() > rows // 8  # the test can fail
+
+
+def test_rms_norm_at_the_edges_of_its_formula():
+    """Rows whose mean of squares is near eps (eps inside the square root matters), a zero row (gives zeros, not
+    NaN) and a constant row (the norm of c is sign(c) exactly up to eps), against float64."""
+    eps = 1e-6
+    near = np.full((1, 256), np.float32(1e-3))             # mean(v**2) = 1e-6 = eps: the root halves
+    zero = np.zeros((1, 256), np.float32)
+    const = np.full((1, 256), np.float32(-3.0))
+    v = np.concatenate([near, zero, const])
+    got = rms_norm(v, None, eps)
+    want = v.astype(np.float64) / np.sqrt((v.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps)
+    # one rounding each in the square, the mean (exact for equal addends of a power-of-two count), the add,
+    # the root, the division and the product: a few fp32 ulps
+    np.testing.assert_allclose(got, want, rtol=4 * np.finfo(np.float32).eps, atol=0)
+    assert not got[1].any() and np.isfinite(got).all()
+    assert abs(float(got[0, 0]) - 1e-3 / np.sqrt(1e-6)) > 0.2   # eps outside the root would give ~1.0
 
 
 def test_hadamard():

@@ -1,20 +1,26 @@
-"""Shared helpers of the layer/forward tests: TINY batches built step by step through the real builder."""
+"""Shared helpers of the layer/forward tests: TINY batches built step by step through the real builder, and the
+one FLASH-dimension checkpoint of the session."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PackedBatch, PaddingPolicy, PoolBlocks
-from dspark_abi.presets import TINY
+from dspark_abi.presets import FLASH, TINY
 from dspark_kernels.model.caches import ModelCaches
+from dspark_kernels.model.synthetic import short_schedule, write_checkpoint
 from dspark_kernels.model.weights import ModelWeights
 
 #: Physical blocks per pool: enough for every request mix below (~200 tokens per request, 4 requests).
 POOL_BLOCKS = PoolBlocks.uniform(256)
 MAX_TOKENS = 512
+#: FLASH dimensions with one SWA, one CSA and one HCA layer: the configuration of :func:`flash_checkpoint`.
+FLASH_3L = short_schedule(FLASH, name="flash-3l")
 
 
 def tokens_of(request_id: int) -> np.ndarray:
@@ -54,3 +60,12 @@ def tiny_weights(seed: int = 0) -> ModelWeights:
 @pytest.fixture
 def weights() -> ModelWeights:
     return tiny_weights()
+
+
+@pytest.fixture(scope="session")
+def flash_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The FLASH_3L checkpoint in the shipped format, written once for the whole session (12.8 GB on disk, about
+    a minute to write) and removed at its end: every test that needs FLASH-size weights on disk shares it."""
+    root = write_checkpoint(tmp_path_factory.mktemp("flash") / FLASH_3L.name, FLASH_3L, seed=0)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

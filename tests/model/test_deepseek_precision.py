@@ -119,7 +119,7 @@ def hadamard_rotate(x: np.ndarray) -> np.ndarray:
     return bf(x.astype(np.float64) @ h * d**-0.5)
 
 
-def fp8_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def _fp8_linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``linear()`` with an FP8 / FP4 weight: quantised input, fp32 accumulation (float64 here), bf16 output."""
     return bf(gemm_input(x).astype(np.float64) @ w.T.astype(np.float64))
 
@@ -224,9 +224,12 @@ class Official:
     topk: np.ndarray           # [S, min(k, S // 4)] selected entries, -1 where invisible
 
 
-def official_layer(cfg, layer: int, t: dict, x: np.ndarray) -> Official:
-    """``Attention.forward(x, start_pos=0)`` of one sequence x [S, X] (bf16 values); ``t``: checkpoint names."""
+def official_layer(cfg, layer: int, t: dict, x: np.ndarray, *, fp8_weights: bool = True) -> Official:
+    """``Attention.forward(x, start_pos=0)`` of one sequence x [S, X] (bf16 values); ``t``: checkpoint names.
+    fp8_weights: the checkpoint's FP8 projections are loaded as FP8 (``linear()`` quantises their inputs), else
+    every weight is bf16 (``convert.py`` to bf16: ``linear()`` is a plain bf16 ``F.linear``)."""
     g = t.__getitem__
+    fp8_linear = _fp8_linear if fp8_weights else bf16_linear
     eps, ratio, rd = cfg.rms_norm_eps, cfg.compress_ratios[layer], cfg.qk_rope_head_dim
     s_len, heads, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
     pos = np.arange(s_len)
@@ -349,7 +352,7 @@ def library_and_restatement() -> dict:
     seqs = {r: sequence(r, n) for r, n in LENGTHS.items()}
     out = {}
     for layer in range(TINY.num_layers):
-        aw = AttentionWeights.random(TINY, layer, seed=SEED)
+        aw = AttentionWeights.random(TINY, layer, seed=SEED, stored="shipped")   # FP8 projections, as shipped
         batch = build([(r, 0, n) for r, n in LENGTHS.items()], tp=2)
         caches = LayerCaches.allocate(TINY, layer, batch.pool_blocks, "deepseek")
         x = hidden_rows(batch, seqs)
@@ -399,7 +402,7 @@ def test_fp8_gemm_inputs_are_the_checkpoints_fp8_and_fp4_projections_but_wo_a():
                                      "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3",
                                      "ffn.experts.w1", "ffn.experts.w2", "ffn.experts.w3"}
     with pytest.raises(ValueError, match="not a projection"):
-        ds.linear(np.zeros((1, 128), np.float32), np.zeros((4, 128), np.float32), "attn.wq_c")
+        ds.linear(np.zeros((1, 128), np.float32), np.zeros((4, 128), np.float32), "attn.wq_c", frozenset())
 
 
 def test_dequantised_weights_give_the_fp8_and_fp4_gemms_up_to_summation_order():
@@ -603,3 +606,72 @@ def test_precision_benchmark_quick_runs(tmp_path):
     assert [f["kind"] for f in figures["tiny_layers"]] == [TINY.layer_kind(i) for i in range(TINY.num_layers)]
     assert all(0 <= f["pairs"]["fp32-deepseek"]["topk_agree"] <= 1 for f in figures["tiny_layers"]
                if f["kind"] == "csa")
+
+
+# ---------------------------------------------------------------------------------------------- stored formats
+def bf16_weights_distances() -> dict[int, tuple[float, float]]:
+    """Per TINY layer, bf16-stored (in-memory) weights in deepseek, one packed TP-2 batch: relative Frobenius
+    distance of the attention output to the restatement of the official rule for bf16 weights (plain bf16
+    ``linear()``), and to the restatement with FP8 activation quantisation (what the mode did before it read the
+    weights' stored format)."""
+    seqs = {r: sequence(r, n) for r, n in LENGTHS.items()}
+    out = {}
+    for layer in range(TINY.num_layers):
+        tensors = {n: bf(a) for n, a in AttentionWeights.random(TINY, layer, seed=SEED).to_tensors(prefix="").items()}
+        aw = AttentionWeights.from_tensors(TINY, layer, tensors, prefix="")   # bf16 values, stored as floats
+        batch = build([(r, 0, n) for r, n in LENGTHS.items()], tp=2)
+        caches = LayerCaches.allocate(TINY, layer, batch.pool_blocks, "deepseek")
+        y = attention(batch, layer, hidden_rows(batch, seqs), aw, caches, precision="deepseek")
+        got = np.concatenate([y[batch.row_request == r] for r in LENGTHS])
+        dist = []
+        for fp8 in (False, True):
+            want = np.concatenate([official_layer(TINY, layer, tensors, seqs[r], fp8_weights=fp8).out for r in LENGTHS])
+            dist.append(float(np.linalg.norm(got - want) / np.linalg.norm(want)))
+        out[layer] = (dist[0], dist[1])
+    return out
+
+
+def test_bf16_weights_run_the_official_bf16_linear():
+    """With bf16-stored weights the official ``linear()`` is a plain bf16 GEMM: the mode follows it. Measured on
+    TINY (relative Frobenius of the attention output, per layer): 2.7e-4 to 9.7e-4 to the bf16-rule restatement
+    (summation-order flips of bf16 / e4m3 KV / e2m1 roundings, as in test_matches_the_official_restatement),
+    against 6.0e-2 to 1.8e-1 to the FP8-input restatement. The bound 1e-2 sits between them."""
+    for layer, (to_bf16_rule, to_fp8_rule) in bf16_weights_distances().items():
+        assert to_bf16_rule < 1e-2 < to_fp8_rule, (layer, to_bf16_rule, to_fp8_rule)
+
+
+def test_the_weights_stored_format_decides_the_fp8_inputs(tmp_path: Path):
+    """FP8 / FP4 as stored in a checkpoint's header: quantised inputs; a bf16 checkpoint, in-memory and random
+    weights: none. A bf16 checkpoint and the same values in memory give the same deepseek prefill bit for bit; an
+    FP8 checkpoint and its dequantised values in memory (bf16-representable, so stored as floats) do not."""
+    from dspark_kernels.model.synthetic import write_checkpoint
+    from dspark_kernels.model.weights import ModelWeights
+
+    csa = next(i for i in range(TINY.num_layers) if TINY.layer_kind(i) == "csa")
+    shipped = ModelWeights.from_safetensors(write_checkpoint(tmp_path / "fp8", TINY, seed=3), TINY, keep_layers=True)
+    lw = shipped.layer(csa)
+    assert lw.attn.fp8_stored == {"wq_a.weight", "wq_b.weight", "wkv.weight", "wo_a.weight", "wo_b.weight",
+                                  "indexer.wq_b.weight"}
+    attn_fp8 = {n for n in ds.fp8_gemm_weights() if n.startswith("attn.")}   # wo_a: dequantised by convert.py
+    assert prepare_weights(lw.attn, "deepseek").fp8_inputs == attn_fp8
+    assert lw.moe.fp8_stored == {n for n in ds.fp8_gemm_weights() if n.startswith("ffn.")}
+    random = ModelWeights.random(TINY, seed=3)
+    random.save_safetensors(tmp_path / "bf16.safetensors")
+    as_bf16 = ModelWeights.from_safetensors(tmp_path / "bf16.safetensors", TINY, keep_layers=True)
+    in_memory = ModelWeights.from_tensors(TINY, {n: shipped.tensor(n) for n in _names(TINY)})
+    for weights in (random, as_bf16, in_memory):
+        assert not weights.layer(csa).attn.fp8_stored and not weights.layer(csa).moe.fp8_stored
+
+    def run(weights) -> np.ndarray:
+        s = Session(precision="deepseek")
+        b = s.batch([(0, 0, 70), (1, 0, 9)])
+        return prefill(b, b.token_ids, weights, s.caches, precision="deepseek").hidden
+
+    np.testing.assert_array_equal(run(as_bf16), run(random))
+    assert not np.array_equal(run(shipped), run(in_memory))
+
+
+def _names(config) -> list[str]:
+    from dspark_kernels.model.weight_specs import weight_specs
+
+    return list(weight_specs(config))

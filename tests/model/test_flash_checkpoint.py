@@ -1,9 +1,10 @@
 """A FLASH-dimension checkpoint in the shipped format, streamed by ``dspark prefill --weights DIR``.
 
-The module writes one synthetic checkpoint (``dspark_kernels.model.synthetic``): FLASH dimensions (D = 4096,
+The session writes one synthetic checkpoint (``dspark_kernels.model.synthetic``): FLASH dimensions (D = 4096,
 64 heads of 512, all 256 routed experts of 2048 x 4096, V = 129,280) with one SWA, one CSA and one HCA layer
 (layer 0 hash-routed, layers 1 and 2 the DSpark targets), FP8 e4m3 projections with ue8m0 128 x 128 scales and
-FP4 e2m1 experts with ue8m0 1 x 32 scales: 12.8 GB on disk, ~1 minute to write, removed afterwards.
+FP4 e2m1 experts with ue8m0 1 x 32 scales: 12.8 GB on disk, ~1 minute to write, shared by the session
+(``flash_checkpoint`` in tests/model/conftest.py) and removed at its end.
 
 Measured (2-core VM, docs/performance.md): the 4-token prefill peaks at 3.0 GiB RSS (the goal is 12 GiB; the
 fp32 head is 2 GiB of it) in ~25 s; its logits equal the up-front forward's exactly.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,20 +27,15 @@ from dspark_abi.presets import FLASH
 from dspark_kernels import prefill
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.shard_index import ShardIndex
-from dspark_kernels.model.synthetic import short_schedule, write_checkpoint
 from dspark_kernels.model.weight_specs import weight_specs
 from dspark_kernels.model.weights import ModelWeights
 
-CONFIG = short_schedule(FLASH, name="flash-3l")
-#: The issue's memory goal for a FLASH-dimension forward of a few tokens.
+from .conftest import FLASH_3L as CONFIG
+
+#: FLASH-size runs: minutes each, and the checkpoint (tests/model/conftest.py ``flash_checkpoint``) takes 12.8 GB.
+pytestmark = pytest.mark.slow
+#: The memory goal for a FLASH-dimension forward of a few tokens.
 PEAK_RSS_GOAL = 12 * 2**30
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    root = write_checkpoint(tmp_path_factory.mktemp("flash") / CONFIG.name, CONFIG, seed=0)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)  # 12.8 GB
 
 
 def _cli_prefill(root: Path, out: Path) -> dict:
@@ -71,8 +66,9 @@ def _upfront(root: Path, experts: set[str]) -> ModelWeights:
     return ModelWeights.from_tensors(CONFIG, tensors, keep_layers=False)
 
 
-def test_flash_prefill_streams_the_checkpoint_within_the_memory_goal(checkpoint: Path, tmp_path: Path,
+def test_flash_prefill_streams_the_checkpoint_within_the_memory_goal(flash_checkpoint: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch):
+    checkpoint = flash_checkpoint
     out = tmp_path / "prefill.safetensors"
     summary = _cli_prefill(checkpoint, out)
     print(f"dspark prefill --weights {CONFIG.name} --request 4@0: peak RSS "

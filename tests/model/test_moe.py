@@ -67,7 +67,10 @@ def _loop_moe(x: np.ndarray, w: MoEWeights, token_ids: np.ndarray, cfg=TINY) -> 
             g = np.minimum(w.w1[e] @ xt, lim)
             u = np.clip(w.w3[e] @ xt, -lim, lim)
             out[t] += w.w2[e] @ (scores[e] / total * m.routed_scaling_factor * _silu(g) * u)
-        out[t] += w.shared_w2 @ (_silu(w.shared_w1 @ xt) * (w.shared_w3 @ xt))
+        # the shared expert clamps like the routed ones (DeepSeek's DSpark release of inference/model.py)
+        g = np.minimum(w.shared_w1 @ xt, lim)
+        u = np.clip(w.shared_w3 @ xt, -lim, lim)
+        out[t] += w.shared_w2 @ (_silu(g) * u)
     return out
 
 
@@ -89,6 +92,33 @@ def test_clamp_is_exercised_and_matters():
     assert (pre > TINY.moe.swiglu_limit).any()  # the inputs really reach the clamp
     unclamped = TINY.model_copy(update={"moe": TINY.moe.model_copy(update={"swiglu_limit": 0.0})})
     assert np.abs(moe(x, w, TINY) - moe(x, w, unclamped)).max() > 1e-2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "deepseek", "a2a3"])
+def test_shared_expert_clamps_in_every_precision(precision: str):
+    """Shared-expert pre-activations above ``swiglu_limit`` (and below -limit for the up projection) are clamped
+    in every precision, as DeepSeek's DSpark release builds ``Expert(..., swiglu_limit=...)`` for it. The routed
+    experts are switched off (zero w2), so the output is the shared expert alone; without the clamp it moves by
+    far more than bf16 / int8 rounding (>= 5 %, the shared activations reach several times the limit)."""
+    rng = np.random.default_rng(17)
+    w = _weights(rng, hash_layer=False)
+    w = attrs.evolve(w, w2=np.zeros_like(w.w2))
+    x = (rng.standard_normal((8, TINY.hidden_size)) * 4).astype(np.float32)
+    lim = TINY.moe.swiglu_limit
+    g, u = x @ w.shared_w1.T, x @ w.shared_w3.T
+    assert (g > 3 * lim).any() and (u < -3 * lim).any()  # the inputs really reach the clamp, on both sides
+    x64 = x.astype(np.float64)
+    g64, u64 = np.minimum(x64 @ w.shared_w1.T, lim), np.clip(x64 @ w.shared_w3.T, -lim, lim)
+    want = (g64 / (1 + np.exp(-g64)) * u64) @ w.shared_w2.T.astype(np.float64)
+    got = moe(x, w, TINY, precision=precision)
+    raw = x64 @ w.shared_w1.T
+    unclamped = (raw / (1 + np.exp(-raw)) * (x64 @ w.shared_w3.T)) @ w.shared_w2.T.astype(np.float64)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    # fp32: summation order only (measured 1.6e-7); a2a3: int8 x, weights and h (each <= 1/254 of its row's
+    # amax, measured 2.1e-2); deepseek: e4m3 x and h (3 mantissa bits: <= 2**-4 per element, rms ~2**-4/sqrt(3)
+    # each, measured 7.0e-2) and bf16 outputs. Without the clamp the output is ~0.9 away (measured in all three).
+    assert rel < {"fp32": 1e-5, "a2a3": 5e-2, "deepseek": 0.15}[precision], rel
+    assert np.linalg.norm(got - unclamped) / np.linalg.norm(unclamped) > 0.5
 
 
 def test_gate_bias_shifts_choice_not_weights():
@@ -219,7 +249,7 @@ A2A3_MAX_DIFFERING, A2A3_MAX_STEPS = 0.02, 2.0
 def _a2a3_case(seed, hash_layer):
     rng = np.random.default_rng([40, seed, hash_layer])
     w = _weights(rng, hash_layer=hash_layer)
-    w = MoEWeights(**{f: (None if v is None else v if v.dtype.kind in "iu" else _bf16(v))
+    w = MoEWeights(**{f: (v if not isinstance(v, np.ndarray) or v.dtype.kind in "iu" else _bf16(v))
                       for f, v in attrs.asdict(w, recurse=False).items()})
     x = _bf16(rng.standard_normal((24, TINY.hidden_size)) * 2)
     norm = _bf16(1 + 0.1 * rng.standard_normal(TINY.hidden_size))
@@ -287,3 +317,25 @@ def test_a2a3_padding_rows_are_zero_and_expert_ids_are_checked():
     with pytest.raises(ABIError) as err:
         moe(x, bad, TINY, norm=norm, token_ids=ids, precision="a2a3")
     assert err.value.codes == {"config.mismatch"}
+
+
+def test_a2a3_gate_inv_rms_is_upstreams_torch_reduction_bit_for_bit():
+    """The deferred ffn RMSNorm of the a2a3 gate: ``rsqrt(sum(x * x) * (1 / D) + eps)`` with torch's CPU sum, as
+    upstream's ``golden_gate_core``, at FLASH's D = 4096: the rows' dequant scales (``amax / 127 * inv_rms``) equal
+    the torch-computed ones bit for bit (with an fp32 einsum inv_rms differed on all 64 rows, measured)."""
+    import torch  # the test extra installs it; the library never imports it
+
+    from dspark_kernels.model.numerics import int8_quantize
+
+    rng = np.random.default_rng(21)
+    d, e = 4096, TINY.moe.n_routed_experts
+    x = _bf16(rng.standard_normal((64, d)) * rng.uniform(0.01, 20, (64, 1)))
+    norm = _bf16(1 + 0.1 * rng.standard_normal(d))
+    w = MoEWeights(gate_w=(rng.standard_normal((e, d)) * 0.02).astype(np.float32),
+                   gate_bias=np.zeros(e, np.float32), tid2eid=None, w1=np.zeros((e, 1, d), np.float32),
+                   w2=np.zeros((e, d, 1), np.float32), w3=np.zeros((e, 1, d), np.float32))
+    gate = quantized_gate(x, w, TINY, norm=norm)
+    t = torch.from_numpy(x)
+    inv = torch.rsqrt((t * t).sum(dim=-1, keepdim=True) * (1.0 / d) + TINY.rms_norm_eps).numpy()[:, 0]
+    _, dq = int8_quantize(x * norm)
+    np.testing.assert_array_equal(gate.x_scale, (dq * inv).astype(np.float32))

@@ -30,6 +30,7 @@ from pypto_fixtures import (
     random_history,
     ring_batch,
 )
+from tolerances import BF16_ATOL, BF16_RTOL, MAX_DIFFERING_FRACTION
 
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
@@ -43,9 +44,7 @@ pytestmark = pytest.mark.pypto
 LAYER_ATOL, LAYER_RTOL, LAYER_MEAN_ATOL = 2.0**-6, 2.0**-7, 1e-3
 #: fp32 state rows (accumulation order); bf16 pools one step; int8 idx one step; idx scales one fp32 rounding.
 STATE_RTOL, STATE_ATOL = 1e-5, 1e-5
-BF16_RTOL, BF16_ATOL = 2.0**-7, 1e-6
 INT8_STEP, SCALE_RTOL = 1, 1e-6
-MAX_DIFFERING_FRACTION = 0.01
 
 
 def _check_caches(got: LayerCaches, want: LayerCaches) -> None:

@@ -1,4 +1,5 @@
-"""The head's kernels against the reference in a2a3 precision: hc_head (the DSpark target features), hc_head +
+"""The head's kernels against the reference in a2a3 precision: the stream mean (the DSpark target features),
+hc_head (upstream's target features), hc_head +
 final RMSNorm, the LM head over requested rows (whole vocabulary and each TP shard) and greedy sampling, on the
 packed TINY rows of ``packed_batch`` (P = 10, one zero padding row) with ``ModelWeights.random`` head weights.
 
@@ -20,6 +21,10 @@ import numpy as np
 import pytest
 from pypto_fixtures import CONFIG, SEED, packed_batch
 
+# one bf16 step, plus the near-zero floor of cancelling streams
+from tolerances import BF16_ATOL_CANCELLING as BF16_ATOL
+from tolerances import BF16_RTOL, MAX_DIFFERING_FRACTION
+
 from dspark_kernels.model.geometry import vocab_shard
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.pypto.isolate import run_isolated
@@ -28,9 +33,6 @@ from dspark_kernels.reference.hyper_connections import hc_head as ref_hc_head
 
 pytestmark = pytest.mark.pypto
 
-#: One bf16 step (2**-8 to 2**-7 of the value) plus a floor near zero, on at most this fraction of elements.
-BF16_RTOL, BF16_ATOL = 2.0**-7, 1e-7
-MAX_DIFFERING_FRACTION = 0.01
 #: fp32 unit roundoff.
 U32 = 2.0**-24
 #: Input scales of the residual streams: embedding-like and grown over many layers.
@@ -78,6 +80,12 @@ def greedy_many(cases: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     return [greedy(logits, rows) for logits, rows in cases]
 
 
+def stream_means(cases: list[np.ndarray]) -> list[np.ndarray]:
+    from dspark_kernels.pypto.head import stream_mean
+
+    return [stream_mean(x) for x in cases]
+
+
 def logits_of_non_bf16_weights() -> None:
     from dspark_kernels.pypto.head import logits_for_rows
 
@@ -113,6 +121,20 @@ def test_hc_head_final_hidden_and_logits_match_reference():
             assert part.shape == (rows.size, s.stop - s.start)
             assert np.all(np.abs(part[live] - want[live, s]) <= bound[:, s])
             assert np.all(part[~live] == 0)
+
+
+def test_stream_mean_matches_reference_exactly():
+    """DeepSeek's target feature (the mean of the hc streams): the same three fp32 adds in stream order, an exact
+    * 1/4 and one bf16 rounding on both sides, so bit-identical (also for streams that are not bf16 values)."""
+    from dspark_kernels.model.numerics import bf16_round
+
+    pad = packed_batch().row_request < 0
+    cases = [_streams(SEED, scale) for scale in X_SCALES]
+    cases += [bf16_round(c) for c in cases]
+    for x, got in zip(cases, run_isolated(stream_means, cases), strict=True):
+        want = ref_head.stream_mean(x, precision="a2a3")
+        np.testing.assert_array_equal(got, want)
+        assert not got[pad].any() and got[~pad].any()
 
 
 def test_greedy_matches_reference_first_maximum():

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 import pytest
 from pypto_fixtures import CONFIG, SEED
+from tolerances import BF16_RTOL, MAX_DIFFERING_FRACTION  # output: measured no flipped rounding
 
 from dspark_abi import ABIError
 from dspark_kernels.model.numerics import bf16_round
@@ -28,9 +29,6 @@ pytestmark = pytest.mark.pypto
 ROWS, PADDING = 12, (5, 11)
 #: Routing weights: measured <= 4.2e-7 relative; 5x margin.
 WEIGHT_RTOL = 2e-6
-#: Output: one bf16 step (2**-8 to 2**-7 of the value) where a rounding flips, on at most this fraction of elements
-#: (measured: none).
-BF16_RTOL, MAX_DIFFERING_FRACTION = 2.0**-7, 0.01
 #: The learned-gate case only counts if its top-k is not decided by a near tie: the K-th and (K+1)-th biased scores
 #: must differ by more than the scores' fp32 error (logits of length-D dots: ~1e-6 of |score| ~ 1; 100x margin).
 MIN_SELECTION_GAP = 1e-4

@@ -13,6 +13,7 @@ import numpy as np
 import pypto_cases
 import pytest
 from pypto_fixtures import CONFIG, SEED, hidden_rows, packed_batch
+from tolerances import BF16_ATOL, BF16_RTOL, MAX_DIFFERING_FRACTION
 
 from dspark_abi.presets import FLASH
 from dspark_kernels.model.attention_weights import AttentionWeights
@@ -25,10 +26,6 @@ from dspark_kernels.reference.projections import low_rank_query, query_heads, sh
 
 pytestmark = pytest.mark.pypto
 
-#: One bf16 ulp: 2**-8 to 2**-7 of the value (8 significant bits), plus a floor for values near zero.
-BF16_RTOL, BF16_ATOL = 2.0**-7, 1e-6
-#: Fraction of elements allowed to differ at all (accumulation-order rounding flips).
-MAX_DIFFERING_FRACTION = 0.01
 #: An int8 activation may move by one step when its pre-rounding value sits on a rounding boundary.
 INT8_STEP = 1.0
 #: Dequant scales are one fp32 division each (127 / amax, then 1 / scale).

@@ -252,3 +252,114 @@ def test_conformance_table_escapes_names_from_the_index(capsys, tmp_path):
         {"file": "\x1b[2Jgone.safetensors", "expected": {"valid": True, "codes": []}}]}))
     code, out, _ = run(capsys, "conformance", tmp_path)
     assert code == 1 and "\x1b" not in out and "\\x1b[2Jgone.safetensors" in out
+
+
+# ---------------------------------------------------------------------------------------------- newcomer findings
+def test_conformance_errors_carry_the_program_prefix(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(runner, "_package_root", lambda: tmp_path / "site-packages" / "dspark_abi")
+    code, _, err = run(capsys, "conformance")
+    assert code == 2 and one_line(err).startswith("dspark-abi: error: ")
+    code, _, err = run(capsys, "conformance", tmp_path / "nowhere")
+    assert code == 2 and one_line(err).startswith("dspark-abi: error: ")
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib.metadata import version
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"dspark-abi {version('dspark')}"
+
+
+@pytest.mark.parametrize("value", ["-1@0", "-3@-2", "-x@1"])
+def test_a_negative_request_names_the_real_problem(capsys, value):
+    for argv in (["build", "--request", value], [f"--request={value}"]):
+        code, out, err = run(capsys, *argv if argv[0] == "build" else ["build", *argv])
+        line = one_line(err)
+        assert code == 2 and out == "" and "expected one argument" not in line, line
+        assert "non-negative integer" in line and value in line, line
+
+
+def test_a_text_file_is_not_a_safetensors_file(capsys, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("some notes a user saved by mistake\n" * 3)
+    code, out, _ = run(capsys, "validate", text)
+    assert code == 2 and "not a safetensors file" in out and "exceeds the cap" not in out, out
+    assert "8675467939940627818" not in out
+
+
+def test_bytes_after_the_data_section_are_unreadable(capsys, tmp_path):
+    longer = tmp_path / "longer.safetensors"
+    longer.write_bytes(RAGGED2.read_bytes() + b"\0")
+    code, out, _ = run(capsys, "validate", longer)
+    assert code == 2 and "fixture.unreadable" in out and "trailing bytes" in out, out
+
+
+def test_help_describes_every_preset_and_the_pad_position(capsys):
+    from dspark_abi.presets import PRESETS
+
+    code, out, _ = run(capsys, "build", "--help")
+    out = " ".join(out.split()).replace("- ", "-")  # argparse wraps lines after hyphens too
+    assert code == 0
+    for name in PRESETS:
+        assert f"{name}: " in out, name
+    assert "--pad-position" in out and "position 0" in out and "p_last + 1" in out
+
+
+def test_docs_describe_every_preset():
+    from dspark_abi.presets import PRESETS
+
+    from .conftest import REPO
+
+    text = (REPO / "docs" / "serving.md").read_text()
+    for name in PRESETS:
+        assert f"| `{name}` |" in text, name
+
+
+def test_doc_links_to_anchors_resolve():
+    """Every [text](file.md#anchor) in docs/ names a heading of that file (GitHub's anchor rule)."""
+    import re
+
+    from .conftest import REPO
+
+    docs = REPO / "docs"
+
+    def anchors(path):  # type: ignore[no-untyped-def]
+        heads = [m.group(1) for m in re.finditer(r"^#+ (.+)$", path.read_text(), re.M)]
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+    broken = []
+    for doc in docs.glob("*.md"):
+        for target, anchor in re.findall(r"\]\(([\w\-]+\.md)#([^)]+)\)", doc.read_text()):
+            if (docs / target).is_file() and anchor not in anchors(docs / target):
+                broken.append(f"{doc.name} -> {target}#{anchor}")
+    assert not broken, broken
+
+
+def _red_pixels(png):  # type: ignore[no-untyped-def]
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)
+    return int(((img[..., 0] > 0.75) & (img[..., 1] < 0.15) & (img[..., 2] < 0.15)).sum())
+
+
+def test_the_picture_of_an_invalid_fixture_looks_invalid(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from dspark_abi.cli.main import Layout, build_batch, offending_rows
+    from dspark_abi.io import fixtures
+
+    bad = tmp_path / "bad.safetensors"
+    batch = build_batch("tiny", [(3, 126), (4, 30)], 2)
+    arrays = {k: v.copy() for k, v in batch.to_arrays().items()}
+    arrays["positions"][5] = 7                    # row 5 of request 1 breaks its contiguous positions
+    fixtures.save_arrays(bad, arrays, config=batch.config, policy=batch.policy,
+                         pool_blocks=batch.pool_blocks.as_dict())
+    good_png, bad_png = tmp_path / "good.png", tmp_path / "bad.png"
+    good = tmp_path / "good.safetensors"
+    fixtures.save(good, batch)
+    assert run(capsys, "show", good, "--png", good_png)[0] == 0
+    code, out, _ = run(capsys, "show", bad, "--png", bad_png)
+    assert code == 1 and "positions.not_contiguous" in out
+    fixture = fixtures.read(bad)
+    issues = fixture.validate().issues
+    assert 5 in offending_rows(Layout.of_fixture(fixture), issues)
+    assert _red_pixels(good_png) == 0 and _red_pixels(bad_png) > 2000     # the banner and the marked cells
