@@ -18,6 +18,7 @@ rank ends the layer with the same replicated ``x_next``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -34,14 +35,15 @@ AllGather = Callable[[np.ndarray], np.ndarray]
 
 def run_layer(plan: BatchPlan, layer: int, x_hc: np.ndarray, weights: LayerWeights, caches: LayerCaches, *,
               token_ids: np.ndarray | None = None, all_gather: AllGather | None = None,
-              backend: Backend | None = None, prepared: PreparedWeightsCache | None = None) -> np.ndarray:
+              backend: Backend | None = None, prepared: PreparedWeightsCache | None = None,
+              attention: Backend | None = None) -> np.ndarray:
     """Run layer ``layer``: x_hc [P, hc, D] fp32 -> x_next [P, hc, D] fp32; ``caches`` are written in place.
 
     plan: the batch's plan (its rank: None for the whole group, else the rank whose L query rows this process
     owns; then ``all_gather`` must combine the ranks' rows, identity when TP = 1); its precision is the layer's.
     token_ids: [P] int (MoE hash routing; required on hash layers). backend: the :class:`Backend` whose stages run
-    the layer (default the registry's reference). prepared: the caller's cache of prepared attention weights
-    (default: prepare now).
+    the layer (default the registry's reference; ``attention=`` is its deprecated name). prepared: the caller's
+    cache of prepared attention weights (default: prepare now).
     Inputs are not validated here (the forward does it once for all layers).
     """
     cfg, precision = plan.config, plan.precision
@@ -49,6 +51,9 @@ def run_layer(plan: BatchPlan, layer: int, x_hc: np.ndarray, weights: LayerWeigh
     gather = _identity if plan.rank is None else all_gather or _identity
     live = plan.query_request >= 0                                                # (L,) or (P,)
     attn_weights = prepared_for(weights.attn, precision, prepared)
+    if attention is not None:
+        warnings.warn("run_layer(attention=...) is deprecated: pass backend=", DeprecationWarning, stacklevel=2)
+        backend = attention if backend is None else backend
     stages = default_backend(backend)
 
     attn_pre = stages.hc_pre(x_hc, weights.hc_attn, cfg, precision=precision, norm=weights.attn_norm)

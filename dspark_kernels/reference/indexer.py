@@ -103,7 +103,7 @@ def index_scores(query: IndexerQuery, keys: np.ndarray, key_scale: np.ndarray, p
         return narrow(weighted.sum(axis=1, dtype=np.float32), precision)                     # (T, C)
     dots = int8_matmul(flat, keys) if precision == "a2a3" else linear(flat, keys)        # (T*HI, C)
     relu = np.maximum(dots.reshape(t, heads, -1) * query.q_scale[:, :, None], 0)     # (T, HI, C)
-    return np.matmul(query.weights[:, None, :], relu)[:, 0, :] * key_scale[None, :]  # (T, C)
+    return np.asarray(np.matmul(query.weights[:, None, :], relu)[:, 0, :] * key_scale[None, :])  # (T, C)
 
 
 def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarray, idx_table: np.ndarray,

@@ -23,7 +23,7 @@ def request_rows(table_row: np.ndarray, logical: np.ndarray, page_size: int, *, 
     ring: the row is a ring table's (ori, state pools); the default suits the compressed pools."""
     rows: np.ndarray = physical_rows(table_row[None, :], np.zeros(1, np.int64), np.asarray(logical)[None, :],
                                      page_size, ring=ring)
-    return rows[0]
+    return np.asarray(rows[0])
 
 
 def scatter_rows(pool: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:
