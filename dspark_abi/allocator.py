@@ -9,8 +9,9 @@ to its widest live range. A step is all or nothing: if any pool is short, :class
 ``alloc.exhausted`` is raised and no table or free list changes.
 
 Thread safety: every public method is atomic (one re-entrant lock, :attr:`BlockAllocator.lock`). A step
-is two calls, :meth:`~BlockAllocator.plan` then :meth:`~BlockAllocator.commit`; a plan that another
-commit or release overtook is refused with ``alloc.stale_plan`` (nothing changes), see the class docstring.
+is two calls, :meth:`~BlockAllocator.plan` (in ``BatchBuilder.build``) then :meth:`~BlockAllocator.commit` (in
+``BatchBuilder.commit``, after the step's forward); a plan that another commit or release overtook is refused
+with ``alloc.stale_plan`` (nothing changes), see the class docstring.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dspark_abi.layout import (
     PoolName,
     live_pages,
     live_range,
+    page_span,
     table_column,
     touched_pages,
 )
@@ -84,12 +86,12 @@ class BlockAllocator:
     **Threads.** One allocator may be shared by several threads (e.g. one ``BatchBuilder`` each). Every
     public method (``plan``, ``commit``, ``release``, ``free_blocks``, ``knows``, ``cached_tokens``,
     ``table_rows``) runs under :attr:`lock`, a re-entrant lock, so none sees or leaves a half-made change.
-    A step is *two* calls, ``plan`` then ``commit`` (``BatchBuilder.build`` assembles and validates the
-    batch between them). Each commit and release advances a generation counter; ``commit`` refuses a plan
-    made on an older generation, or by another allocator, with :class:`ABIError` ``alloc.stale_plan`` and
-    changes nothing (the builder keeps its queue: call ``build()`` again). To make a whole step atomic, hold
-    the lock around it: ``with allocator.lock: batch = builder.build()``. Threads must not share one
-    request id (nor one ``BatchBuilder``, whose queue is not locked).
+    A step is *two* calls, ``plan`` then ``commit``: ``BatchBuilder.build`` plans, assembles and validates the
+    batch, ``BatchBuilder.commit(batch)`` commits its plan once the forward ran. Each commit and release
+    advances a generation counter; ``commit`` refuses a plan made on an older generation, or by another
+    allocator, with :class:`ABIError` ``alloc.stale_plan`` and changes nothing (build the step again). To make
+    a whole step atomic, hold the lock from build to commit. Threads must not share one request id (nor one
+    ``BatchBuilder``, whose queue is not locked).
     """
 
     def __init__(self, config: ModelConfig, pool_blocks: PoolBlocks | Mapping[str, int], *, capacity: int = 16):
@@ -115,8 +117,9 @@ class BlockAllocator:
 
     @property
     def lock(self) -> threading.RLock:
-        """The re-entrant lock every method takes; hold it around ``plan`` .. ``commit`` (e.g. around
-        ``BatchBuilder.build()``) to make a whole step atomic with respect to other threads."""
+        """The re-entrant lock every method takes; hold it around ``plan`` .. ``commit`` (from
+        ``BatchBuilder.build()`` to ``BatchBuilder.commit(batch)``) to make a whole step atomic with respect to
+        other threads."""
         return self._lock
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockAllocator:
@@ -225,8 +228,8 @@ class BlockAllocator:
                     req, page = touched_pages(pl, starts, ends, window)
                     table = np.full((rows.size, width), -1, dtype=np.int32)
                     table[req, table_column(pl, page, width)] = full[rows[req], table_column(pl, page, full.shape[1])]
-                    lo, _ = live_range(pl, starts, ends, window)
-                    live = (ends[at] > starts[at]) & (pages >= lo[at] // pl.page_size)   # new pages it reads
+                    first, _ = page_span(*live_range(pl, starts, ends, window), pl.page_size)
+                    live = (ends[at] > starts[at]) & (pages >= first[at])               # new pages it reads
                 else:
                     table = full[:, :width][rows]
                     live = pages < width                                            # empty requests' history
@@ -287,10 +290,7 @@ class BlockAllocator:
 
         Cost O(R + pages mapped now): the pages a request already holds are one run ``[first, end)``, so only
         the parts of its live range outside that run are enumerated, never its whole history."""
-        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
-        has = hi > lo
-        a = np.where(has, lo // pl.page_size, 0)
-        b = np.where(has, (hi - 1) // pl.page_size + 1, 0)
+        a, b = page_span(*live_range(pl, starts, ends, self.config.sliding_window), pl.page_size)
         first = np.where(fresh, 0, self._first[pl.name][rows])
         end = np.where(fresh, 0, self._end[pl.name][rows])
         below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
@@ -325,11 +325,11 @@ class BlockAllocator:
         has = hi > lo
         first = np.where(fresh, 0, self._first[pl.name][rows])
         end = np.where(fresh, 0, self._end[pl.name][rows])
-        new_first = lo // pl.page_size
+        new_first, new_end = page_span(lo, hi, pl.page_size)
         if pl.is_ring:  # the run's front is released when the request advances (or starts there when new)
             first = np.where(has & (fresh | (end <= first)), new_first,
                              np.where(has & (ends > starts), np.maximum(first, new_first), first))
-        end = np.where(has, np.maximum(end, (hi - 1) // pl.page_size + 1), end)
+        end = np.where(has, np.maximum(end, new_end), end)
         return first, end
 
     # ------------------------------------------------------------------ mutation

@@ -20,13 +20,14 @@ import numpy as np
 
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
-from dspark_abi.errors import ABIError, Issue, ValidationReport
+from dspark_abi.errors import ABIError, ValidationReport
 from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import PoolBlocks
 from dspark_abi.ranks import merge_rank_arrays
+from dspark_abi.requests import BatchRequests
 from dspark_abi.validation import subclass_issue, validate_arrays
 
 #: Set only by :meth:`PackedBatch.from_arrays` right after it validated the very arrays being frozen.
@@ -201,6 +202,8 @@ class RankView:
         local_request_ids: [L] int32: request owning each local row; -1 on padding rows.
         token_ids: [L] int64 or None: the rank's slice of token ids (input_ids).
         slots: The rank's [L] slices of the seven slot mappings (for inspection; kernels write with the full ones).
+        requests: The batch's request record (replicated: every rank reads the tables of all R requests);
+            ``local_request_ids`` is ``requests.owner_in(row_start, L)``.
     """
 
     rank: int
@@ -210,6 +213,7 @@ class RankView:
     local_request_ids: np.ndarray
     token_ids: np.ndarray | None
     slots: SlotMappings
+    requests: BatchRequests | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(eq=True)
@@ -230,6 +234,9 @@ class PackedBatch(BatchGeometry):
         request_ids: [R] int64: serving request ids, unique; default 0..R-1.
         token_ids: [P] int64: token ids (MoE hash routing); padding = pad_token_id.
         logit_rows: [M] int32: group rows in [0, N) to sample; -1 = inactive.
+        requests: The per-request record (:class:`~dspark_abi.requests.BatchRequests`): built once, by the
+            builder or from the arrays above; not compared (it is derived from them) and re-derived when it does
+            not describe them (e.g. after ``attrs.evolve``).
     """
 
     config: ModelConfig
@@ -243,27 +250,37 @@ class PackedBatch(BatchGeometry):
     request_ids: np.ndarray | None = _afield("request_ids", True)
     token_ids: np.ndarray | None = _afield("token_ids", True)
     logit_rows: np.ndarray | None = _afield("logit_rows", True)
+    # filled in __attrs_post_init__ when not given: never None on a constructed batch
+    requests: BatchRequests = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.request_ids is None:
             ids = np.arange(max(len(self.query_start_loc) - 1, 0), dtype=np.int64)
             object.__setattr__(self, "request_ids", freeze(ids))
-        if _ALREADY_VALIDATED.get():
-            return
-        validate_arrays(self.to_arrays(), self.config, self.policy, self.pool_blocks).raise_if_invalid()
+        trusted = _ALREADY_VALIDATED.get()       # from_arrays: the record (if any) was made with these arrays
+        if not trusted:
+            validate_arrays(self.to_arrays(), self.config, self.policy, self.pool_blocks).raise_if_invalid()
+        given: BatchRequests | None = self.requests
+        args = (self.query_start_loc, self.positions, self.request_ids, self.logit_rows)
+        if given is None or not (trusted or given.agrees_with(*args)):
+            object.__setattr__(self, "requests", BatchRequests.from_arrays(*args))
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
                     pool_blocks: Mapping[str, int] | PoolBlocks, *,
-                    validator: Callable[[Mapping[str, Any]], ValidationReport] | None = None) -> PackedBatch:
+                    validator: Callable[[Mapping[str, Any]], ValidationReport] | None = None,
+                    requests: BatchRequests | None = None) -> PackedBatch:
         """Build from flat ABI field names (``query_start_loc``, ``positions``, ``<pool>_block_table``,
         ``<pool>_slot_mapping``, optional ``request_ids``, ``token_ids``, ``logit_rows``). Validates first,
         so a malformed mapping raises :class:`ABIError` with every issue and nothing is built.
 
         validator: checks the arrays instead of the full stateless validation, e.g. a serving loop's
         :meth:`dspark_abi.incremental.StepValidator.validate` (which agrees with it, at the cost of what the
-        step changes)."""
+        step changes).
+
+        requests: the batch's request record when the caller made it from these very arrays' requests (the
+        builder does); by default it is derived from the arrays."""
         if validator is None:
             validate_arrays(arrays, config, policy, pool_blocks).raise_if_invalid()
         else:   # frozen first, so that a stateful validator keeps references to immutable arrays, not copies
@@ -277,7 +294,8 @@ class PackedBatch(BatchGeometry):
                                    for f in BATCH_FIELDS if f.family is None}
             return cls(config=config, policy=policy, pool_blocks=pool_blocks,
                        tables=RequestTables(**{p: arrays[f.name] for p, f in TABLE_SPECS.items()}),
-                       slots=SlotMappings(**{p: arrays[f.name] for p, f in SLOT_SPECS.items()}), **own)
+                       slots=SlotMappings(**{p: arrays[f.name] for p, f in SLOT_SPECS.items()}),
+                       requests=requests, **own)  # type: ignore[arg-type]  # None: derived in __attrs_post_init__
         finally:
             _ALREADY_VALIDATED.reset(token)
 
@@ -298,34 +316,31 @@ class PackedBatch(BatchGeometry):
 
     @property
     def request_lengths(self) -> np.ndarray:
-        """[R] int64: new tokens per request."""
-        return np.diff(self.query_start_loc.astype(np.int64))
+        """[R] int64: new tokens per request (``requests.lengths``)."""
+        return self.requests.lengths
 
     @cached_property
     def row_request(self) -> np.ndarray:
-        """[P] int32: request owning each group row; -1 on padding rows (computed once, read-only)."""
-        return freeze(super().row_request)
+        """[P] int32: request owning each group row; -1 on padding rows (``requests.row_request(P)``, computed
+        once, read-only)."""
+        return self.requests.row_request(self.padded_rows)   # read-only, shared with the builder
 
     @cached_property
     def request_starts(self) -> np.ndarray:
         """[R] int64: first new position of each request (its cached-token count); -1 for empty requests."""
-        qsl = self.query_start_loc.astype(np.int64)
-        out = np.full(self.num_requests, -1, dtype=np.int64)
-        live = qsl[1:] > qsl[:-1]
-        out[live] = self.positions[qsl[:-1][live]]
-        return freeze(out)
+        return freeze(self.requests.starts)
 
     def rank(self, r: int) -> RankView:
         """Rank ``r``'s contiguous rows ``[r*L, (r+1)*L)``, its positions and ``local_request_ids``."""
-        if not 0 <= r < self.tp_size:
-            raise ABIError([Issue("rank.index", "rank", f"rank {r} does not exist in a TP-{self.tp_size} group",
-                                  expected=f"0 <= rank < {self.tp_size}", actual=r)])
-        lo, hi = r * self.local_rows, (r + 1) * self.local_rows
+        bad_rank = self.policy.rank_issues(r)
+        if bad_rank:
+            raise ABIError(bad_rank)
+        lo, hi = self.policy.rank_rows(r, self.num_tokens)
         return RankView(
             rank=r, row_start=lo, row_stop=hi, positions=self.positions[lo:hi],
             local_request_ids=self.row_request[lo:hi],   # the batch's one ownership array, sliced
             token_ids=None if self.token_ids is None else self.token_ids[lo:hi],
-            slots=SlotMappings(**{p: a[lo:hi] for p, a in self.slots.items()}),
+            slots=SlotMappings(**{p: a[lo:hi] for p, a in self.slots.items()}), requests=self.requests,
         )
 
     @classmethod

@@ -11,10 +11,20 @@
 ([0, 3, 7], [126, 127, 128, 30, 31, 32, 33, 0])
 >>> batch.rank(0).local_request_ids.tolist(), batch.rank(1).local_request_ids.tolist()
 ([0, 0, 0, 1], [1, 1, 1, -1])
+
+A built batch changes nothing yet: the serving loop runs the forward, then commits the step, which advances every
+request by all its rows (an uncommitted batch can simply be dropped and the step built again).
+
+>>> alloc.knows(0)
+False
+>>> builder.commit(batch)
+>>> alloc.cached_tokens(0), alloc.cached_tokens(1)
+(129, 34)
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -25,10 +35,11 @@ from dspark_abi.allocator import BlockAllocator, StepPlan
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
-from dspark_abi.incremental import StepValidator
+from dspark_abi.incremental import Proposal, StepValidator
 from dspark_abi.layout import POOL_NAMES, physical_rows, written_logical
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
+from dspark_abi.requests import BatchRequests
 from dspark_abi.validation import EMPTY_BATCH_FIX
 
 
@@ -48,6 +59,16 @@ class StepRequests:
     cached: np.ndarray
     new: np.ndarray
     token_ids: np.ndarray | None = None
+
+
+@attrs.frozen(eq=False)
+class _Built:
+    """What committing one built batch needs: the batch (weakly: a dropped batch is forgotten), its allocator
+    plan and its step validator's proposal (None without a validator)."""
+
+    batch: weakref.ref[PackedBatch]
+    plan: StepPlan
+    proposal: Proposal | None
 
 
 @attrs.frozen
@@ -72,6 +93,16 @@ _MANY_FIX = ("pass add_many() 1-D integer arrays (or lists) of one entry per req
              "num_cached and num_new >= 0")
 _ROWS_FIX = ("pass logit_rows='last', None, or a list / 1-D numpy array of int32 group rows in [0, N) "
              "(-1 for an inactive entry)")
+
+
+#: One queue entry's requests: ids, cached, new, "all three exact" and "the id exact" (duplicates are named even
+#: when the counts are not exact), each [k].
+_Part = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _bad(issues: list[Issue], i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
+    """A ``builder.request`` issue of request ``i`` (its place in the queue)."""
+    issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected, actual=actual, fix=fix))
 
 
 def _copy(value: Any) -> Any:
@@ -126,10 +157,12 @@ def _int_vector(value: Any, lo: int, hi: int) -> tuple[np.ndarray | None, str]:
 class BatchBuilder:
     """Collects the requests of one prefill step and builds its metadata.
 
-    ``build()`` maps pages through the allocator (all or nothing), derives slots from tables and
-    positions, pads to the TP geometry per policy, validates, and only then commits the allocation.
-    For chunked prefill, add the same request id in a later step with ``num_cached`` advanced by the
-    tokens of its earlier chunks; it keeps its tables.
+    ``build()`` plans pages through the allocator (all or nothing), derives slots from tables and
+    positions, pads to the TP geometry per policy and validates; it changes no allocator state. After the
+    forward, ``commit(batch)`` advances every request of the step by all its rows (the allocator maps the
+    step's pages and recycles the ring pages out of reach). A batch that is never committed can be dropped:
+    the same step can be built again. For chunked prefill, add the same request id in a later step with
+    ``num_cached`` advanced by the tokens of its earlier, committed chunks; it keeps its tables.
     """
 
     def __init__(self, config: ModelConfig, policy: PaddingPolicy, allocator: BlockAllocator, *,
@@ -151,6 +184,8 @@ class BatchBuilder:
         self.config, self.policy, self.allocator, self.validator = config, policy, allocator, validator
         self.fixed_ring = ring_width == "fixed"
         self._pending: list[tuple[Any, Any, Any, Any] | _Many] = []  # add() / add_many() arguments as given
+        self._built: dict[int, _Built] = {}          # id(batch) -> its commit, for the batches not committed yet
+        self._committed: dict[int, weakref.ref[PackedBatch]] = {}   # batches committed (to report a 2nd commit)
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None
             ) -> None:
@@ -182,100 +217,152 @@ class BatchBuilder:
         self._pending.clear()
 
     def build(self, *, logit_rows: str | Sequence[int] | None = "last") -> PackedBatch:
-        """Validated batch of the queued requests; clears the queue on success.
+        """Validated batch of the queued requests; clears the queue on success. Allocates nothing: pass the
+        batch to :meth:`commit` once its forward ran.
 
         logit_rows: 'last' samples the last new token of every non-empty request (-1 for empty ones),
         None leaves them out, or an explicit list of group rows.
-        On any error nothing is allocated and the queue is kept, so the caller can fix and retry.
+        On any error nothing is planned and the queue is kept, so the caller can fix and retry.
         """
         step, rows = self._check_specs(list(self._pending), logit_rows)
         plan = self.allocator.plan(step.ids.tolist(), step.cached, step.cached + step.new)
-        batch = self._assemble(step, plan, rows)
-        self.allocator.commit(plan)
+        proposals: list[Proposal | None] = []
+        batch = self._assemble(step, plan, rows, proposals)
+        self._forget_dropped()
+        self._built[id(batch)] = _Built(weakref.ref(batch), plan, proposals[0] if proposals else None)
         self._pending.clear()
         return batch
+
+    def commit(self, batch: PackedBatch) -> None:
+        """Advance every request of ``batch`` (built by this builder) by all its rows: the allocator maps the
+        step's pages, recycles the ring pages out of reach and counts the rows as cached; the builder's step
+        validator takes the step as the baseline of the next one. Call it after the batch's forward.
+
+        Raises ``alloc.stale_plan`` (changing nothing) for a batch this builder did not build, one committed
+        already, or one another commit or release on the allocator overtook (build the step again)."""
+        built = self._built.get(id(batch))
+        if built is None or built.batch() is not batch:
+            done = self._committed.get(id(batch))
+            twice = done is not None and done() is batch
+            raise ABIError([Issue(
+                "alloc.stale_plan", "batch",
+                "the batch was committed already" if twice else "the batch was not built by this builder",
+                expected="a batch this builder built and did not commit yet",
+                actual="a committed batch" if twice else "a batch of another builder or made from arrays",
+                fix="commit each built batch once, with the builder that built it" if twice else
+                    "commit a batch with the BatchBuilder whose build() made it")])
+        self.allocator.commit(built.plan)            # alloc.stale_plan when another commit or release overtook it
+        del self._built[id(batch)]
+        self._forget_dropped()
+        self._committed[id(batch)] = built.batch
+        if self.validator is not None and built.proposal is not None:
+            self.validator.accept(built.proposal)
+
+    def _forget_dropped(self) -> None:
+        """Forget the batches nobody holds any more (they cannot be committed)."""
+        for book in (self._built, self._committed):
+            for key in [k for k, v in book.items() if (v.batch if isinstance(v, _Built) else v)() is None]:
+                del book[key]
 
     # ------------------------------------------------------------------ internals
     def _check_specs(self, queued: list[tuple[Any, Any, Any, Any] | _Many], logit_rows: Any
                      ) -> tuple[StepRequests, str | np.ndarray | None]:
         """Exact copies of the queued requests and of ``logit_rows``; raises every problem at once.
 
-        Scalars from add() are converted one by one (they are Python objects); everything else is checked on
-        arrays, so an add_many() step costs no Python per request."""
+        Four phases: each queue entry converted (:meth:`_convert_many`, :meth:`_convert_one`), the values of the
+        exact requests (:meth:`_check_values`), the step as a whole (:meth:`_check_step`), the logit rows
+        (:meth:`_check_logit_rows`). Scalars from add() are converted one by one (they are Python objects);
+        everything else is checked on arrays, so an add_many() step costs no Python per request."""
         issues: list[Issue] = []
         # per queue entry: ids, cached, new, all three exact, the id exact (duplicates are named even then)
-        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        token_parts: list[np.ndarray | None] = []
+        parts: list[_Part] = []
+        token_parts: list[Any] = []
         index = 0                                                 # a request's index: its place in the queue
-
-        def bad(i: int, arg: str, msg: str, expected: Any, actual: Any, fix: str | None = None) -> None:
-            issues.append(Issue("builder.request", arg, msg, index=i, request=i, expected=expected,
-                                actual=actual, fix=fix))
-
         for entry in queued:
-            if isinstance(entry, _Many):
-                vectors = []
-                for arg, value, bounds in (("request_ids", entry.request_ids, _INT64),
-                                           ("num_cached", entry.num_cached, _COUNT),
-                                           ("num_new", entry.num_new, _COUNT)):
-                    vec, problem = _int_vector(value, *bounds)
-                    if vec is None:
-                        issues.append(Issue("builder.request", arg, f"{arg} must be a 1-D sequence of integers "
-                                            f"in [{bounds[0]}, {bounds[1]}], got {problem}", index=index,
-                                            expected="1-D integer sequence", actual=problem, fix=_MANY_FIX))
-                    vectors.append(vec)
-                sizes = {v.size for v in vectors if v is not None}
-                if len(sizes) > 1:
-                    issues.append(Issue("builder.request", "add_many", "request_ids, num_cached and num_new must "
-                                        "have one entry per request", index=index, expected="equal lengths",
-                                        actual=sorted(sizes), fix=_MANY_FIX))
-                count = max(sizes, default=0)
-                exact = np.full(count, len(sizes) == 1 and all(v is not None for v in vectors))
-                ids, cached, new = (v if v is not None and v.size == count else np.zeros(count, np.int64)
-                                    for v in vectors)
-                tids = None
-                if entry.token_ids is not None:
-                    tids, problem = _int_vector(entry.token_ids, *_INT64)
-                    if tids is None:
-                        bad(index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
-                            "1-D integer sequence", problem, _IDS_FIX)
-                    elif exact.all() and tids.size != int(new.sum()):
-                        bad(index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
-                            f"sum(num_new)={int(new.sum())}", int(new.sum()), tids.size,
-                            f"pass exactly sum(num_new)={int(new.sum())} token_ids, request after request")
-                parts.append((ids, cached, new, exact, np.full(count, vectors[0] is not None)))
-                token_parts.append(entry.token_ids if tids is None else tids)
-                index += count
-                continue
-            request_id, num_cached, num_new, token_ids = entry     # one add(): Python scalars, one by one
-            rid = _exact_int(request_id, *_INT64)
-            if rid is None:
-                bad(index, "request_id", f"request_id must be an integer within int64, got {_short(request_id)}",
-                    "int64 integer", _short(request_id), _ID_FIX)
-            cached_i, new_i = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
-            for arg, value, exact_i in (("num_cached", num_cached, cached_i), ("num_new", num_new, new_i)):
-                if exact_i is None:
-                    bad(index, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0",
-                        _short(value))
-            tids = None
-            if token_ids is not None:
-                tids, problem = _int_vector(token_ids, *_INT64)
-                if tids is None:
-                    bad(index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
-                        "1-D integer sequence", problem, _IDS_FIX)
-                elif new_i is not None and tids.shape != (new_i,):
-                    bad(index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
-                        f"num_new={new_i}", (new_i,), tids.shape, f"pass exactly num_new={new_i} token_ids")
-            ok = rid is not None and cached_i is not None and new_i is not None
-            parts.append((np.array([rid or 0], np.int64), np.array([cached_i or 0], np.int64),
-                          np.array([new_i or 0], np.int64), np.array([ok]), np.array([rid is not None])))
-            token_parts.append(token_ids if tids is None else tids)
-            index += 1
+            part, tokens = (self._convert_many(entry, index, issues) if isinstance(entry, _Many) else
+                            self._convert_one(entry, index, issues))
+            parts.append(part)
+            token_parts.append(tokens)
+            index += part[0].size
 
         ids, cached, new, exact, id_exact = (np.concatenate([p[k] for p in parts]) if parts else
                                              np.zeros(0, np.int64) for k in range(5))
         exact, id_exact = exact.astype(bool), id_exact.astype(bool)
         self._check_values(issues, ids, cached, new, exact, id_exact)
+        self._check_step(issues, ids, new, exact, token_parts)
+        rows = self._check_logit_rows(issues, logit_rows)
+        if issues:
+            raise ABIError(issues)
+        tokens = None
+        if token_parts and token_parts[0] is not None:
+            tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
+        return StepRequests(ids, cached, new, tokens), rows
+
+    @staticmethod
+    def _convert_many(entry: _Many, index: int, issues: list[Issue]) -> tuple[_Part, Any]:
+        """One add_many() entry as arrays (zeros where unusable) and its token ids, vectorized."""
+        vectors = []
+        for arg, value, bounds in (("request_ids", entry.request_ids, _INT64),
+                                   ("num_cached", entry.num_cached, _COUNT),
+                                   ("num_new", entry.num_new, _COUNT)):
+            vec, problem = _int_vector(value, *bounds)
+            if vec is None:
+                issues.append(Issue("builder.request", arg, f"{arg} must be a 1-D sequence of integers "
+                                    f"in [{bounds[0]}, {bounds[1]}], got {problem}", index=index,
+                                    expected="1-D integer sequence", actual=problem, fix=_MANY_FIX))
+            vectors.append(vec)
+        sizes = {v.size for v in vectors if v is not None}
+        if len(sizes) > 1:
+            issues.append(Issue("builder.request", "add_many", "request_ids, num_cached and num_new must "
+                                "have one entry per request", index=index, expected="equal lengths",
+                                actual=sorted(sizes), fix=_MANY_FIX))
+        count = max(sizes, default=0)
+        exact = np.full(count, len(sizes) == 1 and all(v is not None for v in vectors))
+        ids, cached, new = (v if v is not None and v.size == count else np.zeros(count, np.int64)
+                            for v in vectors)
+        tids = None
+        if entry.token_ids is not None:
+            tids, problem = _int_vector(entry.token_ids, *_INT64)
+            if tids is None:
+                _bad(issues, index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                     "1-D integer sequence", problem, _IDS_FIX)
+            elif exact.all() and tids.size != int(new.sum()):
+                _bad(issues, index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids "
+                     f"for sum(num_new)={int(new.sum())}", int(new.sum()), tids.size,
+                     f"pass exactly sum(num_new)={int(new.sum())} token_ids, request after request")
+        part = (ids, cached, new, exact, np.full(count, vectors[0] is not None))
+        return part, entry.token_ids if tids is None else tids
+
+    @staticmethod
+    def _convert_one(entry: tuple[Any, Any, Any, Any], index: int, issues: list[Issue]) -> tuple[_Part, Any]:
+        """One add() entry (Python scalars, converted one by one) as one-element arrays, and its token ids."""
+        request_id, num_cached, num_new, token_ids = entry
+        rid = _exact_int(request_id, *_INT64)
+        if rid is None:
+            _bad(issues, index, "request_id", f"request_id must be an integer within int64, got "
+                 f"{_short(request_id)}", "int64 integer", _short(request_id), _ID_FIX)
+        cached_i, new_i = _exact_int(num_cached, *_COUNT), _exact_int(num_new, *_COUNT)
+        for arg, value, exact_i in (("num_cached", num_cached, cached_i), ("num_new", num_new, new_i)):
+            if exact_i is None:
+                _bad(issues, index, arg, f"{arg} must be an integer >= 0, got {_short(value)}", "integer >= 0",
+                     _short(value))
+        tids = None
+        if token_ids is not None:
+            tids, problem = _int_vector(token_ids, *_INT64)
+            if tids is None:
+                _bad(issues, index, "token_ids", f"token_ids must be a 1-D sequence of integers, got {problem}",
+                     "1-D integer sequence", problem, _IDS_FIX)
+            elif new_i is not None and tids.shape != (new_i,):
+                _bad(issues, index, "token_ids", f"token_ids must hold one id per new token: {tids.size} ids for "
+                     f"num_new={new_i}", (new_i,), tids.shape, f"pass exactly num_new={new_i} token_ids")
+        ok = rid is not None and cached_i is not None and new_i is not None
+        part = (np.array([rid or 0], np.int64), np.array([cached_i or 0], np.int64),
+                np.array([new_i or 0], np.int64), np.array([ok]), np.array([rid is not None]))
+        return part, token_ids if tids is None else tids
+
+    def _check_step(self, issues: list[Issue], ids: np.ndarray, new: np.ndarray, exact: np.ndarray,
+                    token_parts: list[Any]) -> None:
+        """The rules of the step as a whole: its token count and token ids for all requests or none."""
         if exact.all():
             total = int(new.sum())
             inactive = total == 0 and ids.size > 0 and self.policy.allow_inactive
@@ -287,20 +374,20 @@ class BatchBuilder:
             issues.append(Issue("builder.request", "token_ids", "give token ids for every request or none",
                                 expected="all or none", actual="some",
                                 fix="pass token_ids to every add() or add_many() of the step, or to none"))
-        rows: str | np.ndarray | None = logit_rows
-        if not (logit_rows is None or (isinstance(logit_rows, str) and logit_rows == "last")):
-            vec, problem = _int_vector(logit_rows, *_INT32)
-            if vec is None:
-                issues.append(Issue("builder.request", "logit_rows", "logit_rows must be 'last', None or a 1-D "
-                                    f"sequence of int32 group rows, got {problem}", expected="'last', None or "
-                                    "int32 rows", actual=problem, fix=_ROWS_FIX))
-            rows = None if vec is None else vec.astype(np.int32)
-        if issues:
-            raise ABIError(issues)
-        tokens = None
-        if token_parts and token_parts[0] is not None:
-            tokens = np.concatenate([t for t in token_parts if isinstance(t, np.ndarray)])
-        return StepRequests(ids, cached, new, tokens), rows
+
+    @staticmethod
+    def _check_logit_rows(issues: list[Issue], logit_rows: Any) -> str | np.ndarray | None:
+        """``logit_rows`` as given ('last' or None) or as an int32 array (None with an issue when unusable)."""
+        if logit_rows is None or (isinstance(logit_rows, str) and logit_rows == "last"):
+            rows: str | np.ndarray | None = logit_rows
+            return rows
+        vec, problem = _int_vector(logit_rows, *_INT32)
+        if vec is None:
+            issues.append(Issue("builder.request", "logit_rows", "logit_rows must be 'last', None or a 1-D "
+                                f"sequence of int32 group rows, got {problem}", expected="'last', None or "
+                                "int32 rows", actual=problem, fix=_ROWS_FIX))
+            return None
+        return vec.astype(np.int32)
 
     def _check_values(self, issues: list[Issue], ids: np.ndarray, cached: np.ndarray, new: np.ndarray,
                       exact: np.ndarray, id_exact: np.ndarray) -> None:
@@ -337,29 +424,33 @@ class BatchBuilder:
         each(exact & (have >= 0) & (cached != have), "num_cached",
              lambda i: f"request {ids[i]} continues after {have[i]} cached tokens, got num_cached={cached[i]}",
              lambda i: int(have[i]), lambda i: int(cached[i]),
-             lambda i: f"pass num_cached={have[i]} (the tokens its earlier chunks cached) or release request "
-                       f"{ids[i]} first")
+             lambda i: f"pass num_cached={have[i]} (the tokens its committed chunks cached); if an earlier "
+                       f"chunk of request {ids[i]} was built but not committed yet, commit it first "
+                       "(builder.commit(batch) after its forward)")
 
-    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None) -> PackedBatch:
+    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None,
+                  proposals: list[Proposal | None]) -> PackedBatch:
         layout, policy = self.config.layout, self.policy
         starts, lengths = step.cached, step.new
+        # a str is "last" (anything else was refused by _check_specs)
+        requests = BatchRequests.from_step(step.ids, starts, lengths, logit_rows)
         qsl = np.zeros(lengths.size + 1, dtype=np.int32)
-        np.cumsum(lengths, out=qsl[1:])
+        qsl[1:] = requests.row_end
         n = int(qsl[-1])
         p_rows = policy.padded_rows(n)
-        row_request = np.repeat(np.arange(lengths.size), lengths)                      # [N]
+        # [N] the batch's own row_request, as intp once: every gather below indexes with it (7 pools)
+        row_request = requests.row_request(p_rows)[:n].astype(np.intp)
         pos = starts[row_request] + (np.arange(n) - qsl[:-1][row_request])             # [N]
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos
-        if p_rows > n:
-            positions[n:] = 0 if policy.pad_position == "zero" else pos[-1] + 1 + np.arange(p_rows - n)
+        positions[n:] = policy.padding_positions(pos[-1] if n else 0, p_rows - n)
 
         # tables as narrow as the step's widest live range: O(R * pages used), not O(R * max positions)
         tables = self.allocator.step_tables(plan, starts, starts + lengths, fixed_ring=self.fixed_ring)
         slots = {}
         for p in POOL_NAMES:
             pl = layout.pools[p]
-            s = np.full(p_rows, -1, dtype=np.int64)
+            s = np.full(p_rows, policy.pad_slot, dtype=np.int64)
             s[:n] = physical_rows(tables[p], row_request, written_logical(pl, pos), pl.page_size, ring=pl.is_ring)
             slots[p] = s
 
@@ -367,12 +458,19 @@ class BatchBuilder:
         if step.token_ids is not None:
             token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
             token_ids[:n] = step.token_ids
-        # a str is "last" (anything else was refused by _check_specs)
-        rows = np.where(lengths > 0, qsl[1:] - 1, -1).astype(np.int32) if isinstance(logit_rows, str) else logit_rows
+        rows = requests.logit_row if isinstance(logit_rows, str) else logit_rows
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
         arrays |= {TABLE_FIELDS[p]: t for p, t in tables.items()} | {SLOT_FIELDS[p]: v for p, v in slots.items()}
         arrays |= {k: v for k, v in (("token_ids", token_ids), ("logit_rows", rows)) if v is not None}
         # validated on these private arrays (numpy memory, fast to gather from), then frozen: copied once
-        check = None if self.validator is None else self.validator.validate
-        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check)
+        check = None
+        if self.validator is not None:
+            validator = self.validator
 
+            def check(arrays: Any) -> Any:          # the step becomes the validator's baseline on commit only
+                report, proposal = validator.propose(arrays)
+                proposals.append(proposal)
+                return report
+
+        return PackedBatch.from_arrays(arrays, self.config, policy, self.allocator.pool_blocks, validator=check,
+                                       requests=requests)

@@ -102,9 +102,9 @@ CODES: dict[str, tuple[str, str]] = {
                         "release finished requests or allocate bigger pools; nothing was allocated"),
     "alloc.unknown_request": ("the allocator does not know this request id", "add it before use, release it once"),
     "alloc.stale_plan": ("the allocator changed between plan and commit (another step was committed or a request "
-                         "released)",
-                         "hold allocator.lock around plan .. commit (e.g. around BatchBuilder.build) or build the "
-                         "step again; nothing was allocated"),
+                         "released), or the batch was committed already or by another builder",
+                         "hold allocator.lock from BatchBuilder.build to BatchBuilder.commit, or build the step "
+                         "again; commit each batch once, with its own builder; nothing was allocated"),
     # ---- pypto backend
     "kernel.index_range": ("an index a pypto kernel forms in fp32 reaches 2**24 and would round (flattened table "
                            "entry, pool row or position)",

@@ -72,7 +72,7 @@ import numpy as np
 from dspark_abi.batch import PackedBatch, freeze
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
-from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_range, table_column
+from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_range, page_span, table_column
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
 from dspark_abi.rules import _check_pages, _check_slots, _check_width, _Owners, _pages_unshared, check_tokens
@@ -184,6 +184,16 @@ def _cells(pl: PoolLayout, table: np.ndarray, rows: np.ndarray, pages: np.ndarra
     return cells
 
 
+@attrs.frozen(eq=False)
+class Proposal:
+    """A step :meth:`StepValidator.propose` accepted but that is not the baseline yet: :meth:`StepValidator.accept`
+    makes it the baseline (after the step's commit); any other validation first puts the state back as it was."""
+
+    deltas: tuple[_Delta, ...]
+    before: _Accepted | None          # the baseline the step was checked against
+    after: _Accepted                  # what the step proved
+
+
 @attrs.frozen
 class _Delta:
     """One pool's change of the per-block state in this step (to undo it when the step is rejected)."""
@@ -199,7 +209,9 @@ class StepValidator:
 
     Construct once per serving loop with the loop's config, policy and pool blocks; call :meth:`validate` on every
     step's batch (or flat arrays) in order; :meth:`reset` forgets everything (e.g. after the caches were rebuilt).
-    Only accepted steps (``report.ok``) become the baseline of the next one. ``ring_pools="tracked"`` keeps state
+    Only accepted steps (``report.ok``) become the baseline of the next one. A loop that may drop a validated step
+    (build, drop, build again) uses :meth:`propose` and :meth:`accept` instead, as ``BatchBuilder`` does: the step
+    becomes the baseline only when it is committed. ``ring_pools="tracked"`` keeps state
     for the ring pools too (default ``"exact"``: they are checked in full, which is cheaper). See the module
     docstring for the design and its costs.
 
@@ -213,7 +225,9 @@ class StepValidator:
         ...     builder.add(0, 200 * step, 200)
         ...     if step < 2:
         ...         builder.add(1, 150 * step, 150)
-        ...     report = validator.validate(builder.build())
+        ...     batch = builder.build()
+        ...     report = validator.validate(batch)
+        ...     builder.commit(batch)              # the allocator advances once the step's forward ran
         ...     stats = validator.last_stats
         ...     print(report.ok, stats.fresh["csa_cmp"], stats.compared["csa_cmp"], stats.departed["csa_cmp"])
         True 4 0 0
@@ -238,6 +252,7 @@ class StepValidator:
         self._refs: dict[PoolName, _BlockRefs] = {}
         self._untracked = False    # True once per-block state could not be allocated (every pool checked exactly)
         self._accepted: _Accepted | None = None
+        self._proposal: Proposal | None = None        # the step proposed last, applied to _refs, not accepted
         self.last_stats = StepStats()
         self.reset()
 
@@ -247,7 +262,7 @@ class StepValidator:
             self._reset()
 
     def _reset(self) -> None:
-        self._accepted = None
+        self._accepted = self._proposal = None
         blocks = self._blocks
         ring = self.ring_pools == "tracked"
         self._refs = {} if blocks is None or self._untracked else {
@@ -266,22 +281,57 @@ class StepValidator:
         validator's config, policy and pool blocks, also for a batch built with others). Never raises for bad
         data, never mutates its input; an accepted step becomes the baseline of the next call.
         """
+        report, proposal = self._validate(batch_or_arrays, hidden)
+        if proposal is not None:
+            self.accept(proposal)
+        return report
+
+    def propose(self, batch_or_arrays: PackedBatch | Mapping[str, Any], *, hidden: Any = None
+                ) -> tuple[ValidationReport, Proposal | None]:
+        """:meth:`validate`'s report, without making the step the baseline: a valid step returns a
+        :class:`Proposal` that :meth:`accept` makes the baseline (once the step is committed). Until then the
+        baseline stays the last accepted step: the next :meth:`validate` or :meth:`propose` call checks against it
+        (a proposal left unaccepted is dropped then)."""
+        return self._validate(batch_or_arrays, hidden)
+
+    def accept(self, proposal: Proposal) -> None:
+        """Make a proposed step the baseline of the next one. A proposal that is not the latest one (another step
+        was validated or proposed since) cannot be applied any more: the validator then forgets every step
+        (:meth:`reset`) and validates the next in full, with the same verdicts."""
+        with self._lock:
+            if proposal is self._proposal:
+                self._proposal = None
+            else:
+                self._drop_proposal()
+                self._reset()
+
+    def _drop_proposal(self) -> None:
+        """Put the state back as the last accepted step left it (a proposed step was never accepted)."""
+        proposal, self._proposal = self._proposal, None
+        if proposal is not None:
+            self._undo(list(proposal.deltas))
+            self._accepted = proposal.before
+
+    def _validate(self, batch_or_arrays: PackedBatch | Mapping[str, Any], hidden: Any
+                  ) -> tuple[ValidationReport, Proposal | None]:
         arrays = batch_or_arrays.to_arrays() if isinstance(batch_or_arrays, PackedBatch) else batch_or_arrays
         with self._lock:
+            self._drop_proposal()
             shape = validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden, level="shape")
             if not shape.ok or self._blocks is None:
-                return shape
+                return shape, None
             try:
                 return self._step(arrays, self._blocks, hidden)
             except _Overflow:
                 self._reset()
-                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden)
+                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden), None
             except MemoryError:  # a pool's per-block state cannot grow: check every pool exactly from now on
-                self._refs, self._accepted, self._untracked = {}, None, True
-                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden)
+                self._refs, self._accepted, self._proposal, self._untracked = {}, None, None, True
+                return validate_arrays(arrays, self.config, self.policy, self.pool_blocks, hidden=hidden), None
 
     # ------------------------------------------------------------------ one step (shapes known to be right)
-    def _step(self, arrays: Mapping[str, Any], blocks: PoolBlocks, hidden: Any) -> ValidationReport:
+    def _step(self, arrays: Mapping[str, Any], blocks: PoolBlocks, hidden: Any
+              ) -> tuple[ValidationReport, Proposal | None]:
         config, window = self.config, self.config.sliding_window
         qsl: np.ndarray = arrays["query_start_loc"]
         n = int(qsl[-1])
@@ -309,10 +359,8 @@ class StepValidator:
                     continue     # as validate_arrays: no page or slot rule of this pool (the step is rejected)
                 refs = self._refs.get(p)
                 if refs is not None:
-                    lo, hi = live_range(pl, start, end, window)
-                    has = ok_req & (hi > lo)
-                    first[p] = np.where(has, lo // pl.page_size, 0)
-                    stop[p] = np.where(has, (hi - 1) // pl.page_size + 1, 0)
+                    span = page_span(*live_range(pl, start, end, window), pl.page_size)
+                    first[p], stop[p] = (np.where(ok_req, a, 0) for a in span)
                     delta, suspect = self._pool_delta(pl, refs, table, n_blocks, first[p], stop[p], match, handles)
                     deltas.append(delta)
                     suspect |= self._foreign_suspect(refs, pl, slot, n_blocks, row_request, ok_req, handles)
@@ -335,11 +383,13 @@ class StepValidator:
                                     {d.pool: d.compared for d in deltas})
         if issues:
             self._undo(deltas)
-            return ValidationReport(tuple(issues))
+            return ValidationReport(tuple(issues)), None
         order = np.argsort(ids, kind="stable")
-        self._accepted = _Accepted(ids[order], order, handles, first, stop,
-                                   {p: freeze(tables[p], TABLE_FIELDS[p]) for p in self._refs})
-        return ValidationReport(())
+        proposal = Proposal(tuple(deltas), self._accepted,
+                            _Accepted(ids[order], order, handles, first, stop,
+                                      {p: freeze(tables[p], TABLE_FIELDS[p]) for p in self._refs}))
+        self._proposal, self._accepted = proposal, proposal.after
+        return ValidationReport(()), proposal
 
     def _match(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([R] batch index of each request in the last accepted step or -1, [R] int64 handles >= 1)."""
@@ -363,9 +413,11 @@ class StepValidator:
     def _pool_delta(self, pl: PoolLayout, refs: _BlockRefs, table: np.ndarray, n_blocks: int, first: np.ndarray,
                     stop: np.ndarray, match: np.ndarray, handles: np.ndarray) -> tuple[_Delta, bool]:
         """Move one pool's per-block state from the last accepted step to this one; True when the fresh pages
-        need the exact page check (unmapped, out of range or possibly aliased)."""
+        need the exact page check (unmapped, out of range or possibly aliased).
+
+        Three phases: the overlap with the last accepted step (:meth:`_changed_cells`), the references that
+        depart (:meth:`_departing`), and the fresh pages, applied to the per-block state (:meth:`_apply_fresh`)."""
         p = pl.name
-        n_req = first.size
         prev = self._accepted
         if prev is None:
             p_first = p_stop = p_handles = np.zeros(0, dtype=np.int64)
@@ -378,52 +430,70 @@ class StepValidator:
         o_hi = np.where(known, np.minimum(stop, p_stop[j] if p_stop.size else 0), 0)
         overlap = known & (o_hi > o_lo)
         o_lo, o_hi = np.where(overlap, o_lo, stop), np.where(overlap, o_hi, stop)   # no overlap: [stop, stop)
+        n_compared = int((o_hi - o_lo)[overlap].sum())
+        c_req, _page, old, new = self._changed_cells(pl, table, p_table, overlap, o_lo, o_hi, match)
+        removed = self._departing(pl, p_table, p_first, p_stop, p_handles, overlap, o_lo, o_hi, match,
+                                  old, handles[c_req])
+        added, suspect = self._apply_fresh(pl, refs, table, n_blocks, first, stop, o_lo, o_hi, overlap, handles,
+                                           c_req, new, removed)
+        return _Delta(p, removed, added, n_compared), suspect
 
-        # overlap pages: keep unchanged cells, old block out / new block in for changed ones
+    @staticmethod
+    def _changed_cells(pl: PoolLayout, table: np.ndarray, p_table: np.ndarray, overlap: np.ndarray,
+                       o_lo: np.ndarray, o_hi: np.ndarray, match: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(request, page, old block, new block) of the overlap pages whose table cell changed since the last
+        accepted step (unchanged cells keep their proof)."""
         rows = np.flatnonzero(overlap)
-        n_compared = int((o_hi - o_lo)[rows].sum())
+        empty = np.zeros(0, dtype=np.int64)
         if pl.is_ring:
             c_req, c_page = _expand(rows, o_lo[rows], o_hi[rows])
             old = _cells(pl, p_table, match[c_req], c_page)
             new = _cells(pl, table, c_req, c_page)
             changed = old != new
-            c_req, c_page, old, new = c_req[changed], c_page[changed], old[changed], new[changed]
-        elif rows.size:                         # compressed: the overlap is columns [0, o_hi), one dense compare
-            width = int(o_hi[rows].max())
-            cur, before = table[:, :width], p_table[:, :width]
-            if rows[-1] == rows.size - 1 and np.array_equal(match[rows], rows):
-                cur, before = cur[: rows.size], before[: rows.size]    # same batch order: compare views, no copy
-            else:
-                cur, before = np.take(cur, rows, axis=0), np.take(before, match[rows], axis=0)
-            diff = cur != before                # cells past a row's overlap may differ (unconstrained there)
-            lead = diff.argmax(axis=1)          # each row's first differing column (0 when none)
-            inside = diff[np.arange(rows.size), lead] & (lead < o_hi[rows])
-            if inside.any():
-                sub = np.flatnonzero(inside)
-                diff = diff[sub] & (np.arange(width) < o_hi[rows[sub], None])
-                at, c_page = np.nonzero(diff)
-                c_req, at = rows[sub[at]], sub[at]
-                old, new = before[at, c_page].astype(np.int64), cur[at, c_page].astype(np.int64)
-            else:
-                c_req = c_page = old = new = np.zeros(0, dtype=np.int64)
+            return c_req[changed], c_page[changed], old[changed], new[changed]
+        if not rows.size:
+            return empty, empty, empty, empty
+        width = int(o_hi[rows].max())           # compressed: the overlap is columns [0, o_hi), one dense compare
+        cur, before = table[:, :width], p_table[:, :width]
+        if rows[-1] == rows.size - 1 and np.array_equal(match[rows], rows):
+            cur, before = cur[: rows.size], before[: rows.size]    # same batch order: compare views, no copy
         else:
-            c_req = c_page = old = new = np.zeros(0, dtype=np.int64)
+            cur, before = np.take(cur, rows, axis=0), np.take(before, match[rows], axis=0)
+        diff = cur != before                    # cells past a row's overlap may differ (unconstrained there)
+        lead = diff.argmax(axis=1)              # each row's first differing column (0 when none)
+        inside = diff[np.arange(rows.size), lead] & (lead < o_hi[rows])
+        if not inside.any():
+            return empty, empty, empty, empty
+        sub = np.flatnonzero(inside)
+        diff = diff[sub] & (np.arange(width) < o_hi[rows[sub], None])
+        at, c_page = np.nonzero(diff)
+        c_req, at = rows[sub[at]], sub[at]
+        return c_req, c_page, before[at, c_page].astype(np.int64), cur[at, c_page].astype(np.int64)
 
-        # departing: previous pages outside this step's overlap (whole runs of requests gone or unfit now)
-        n_prev = p_first.size
+    @staticmethod
+    def _departing(pl: PoolLayout, p_table: np.ndarray, p_first: np.ndarray, p_stop: np.ndarray,
+                   p_handles: np.ndarray, overlap: np.ndarray, o_lo: np.ndarray, o_hi: np.ndarray,
+                   match: np.ndarray, old: np.ndarray, old_handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, handles) of the references that leave the per-block state: the previous pages outside this
+        step's overlap (whole runs of requests gone or unfit now) and the old blocks of changed cells."""
         keep_lo, keep_hi = p_stop.copy(), p_stop.copy()          # no overlap: keep [stop, stop), all departs
         keep_lo[match[overlap]], keep_hi[match[overlap]] = o_lo[overlap], o_hi[overlap]
         if np.array_equal(keep_lo, p_first) and np.array_equal(keep_hi, p_stop):
-            removed_blocks, removed_handles = old, handles[c_req]  # every previous page kept (the common case)
-        else:
-            prev_idx = np.arange(n_prev, dtype=np.int64)
-            gone_j, gone_page = _expand(np.concatenate([prev_idx, prev_idx]), np.concatenate([p_first, keep_hi]),
-                                        np.concatenate([keep_lo, p_stop]))
-            removed_blocks = np.concatenate([_cells(pl, p_table, gone_j, gone_page), old])
-            removed_handles = np.concatenate([p_handles[gone_j], handles[c_req]])
+            return old, old_handles                              # every previous page kept (the common case)
+        prev_idx = np.arange(p_first.size, dtype=np.int64)
+        gone_j, gone_page = _expand(np.concatenate([prev_idx, prev_idx]), np.concatenate([p_first, keep_hi]),
+                                    np.concatenate([keep_lo, p_stop]))
+        return (np.concatenate([_cells(pl, p_table, gone_j, gone_page), old]),
+                np.concatenate([p_handles[gone_j], old_handles]))
 
-        # fresh: this step's pages outside the overlap, and changed overlap cells
-        all_req = np.arange(n_req, dtype=np.int64)
+    def _apply_fresh(self, pl: PoolLayout, refs: _BlockRefs, table: np.ndarray, n_blocks: int, first: np.ndarray,
+                     stop: np.ndarray, o_lo: np.ndarray, o_hi: np.ndarray, overlap: np.ndarray, handles: np.ndarray,
+                     c_req: np.ndarray, new: np.ndarray, removed: tuple[np.ndarray, np.ndarray]
+                     ) -> tuple[tuple[np.ndarray, np.ndarray], bool]:
+        """Swap the departing references for the fresh ones (this step's pages outside the overlap and the new
+        blocks of changed cells) in ``refs``; ((blocks, handles) added, whether the fresh pages are suspect)."""
+        all_req = np.arange(first.size, dtype=np.int64)
         f_req, f_page = _expand(np.concatenate([all_req, all_req]), np.concatenate([first, o_hi]),
                                 np.concatenate([o_lo, stop]))
         f_blk = np.concatenate([_cells(pl, table, f_req, f_page), new])
@@ -436,14 +506,13 @@ class StepValidator:
         total = refs.total + added_blocks.size
         if total >= 2**31 or total * h_max * h_max >= _SUM_LIMIT:
             raise _Overflow
-        refs.apply(removed_blocks, removed_handles, -1)
+        refs.apply(*removed, -1)
         refs.apply(added_blocks, added_handles, 1)
         shared = refs.count[added_blocks] > 1         # an alias needs two references to one block
         if shared.any():
             kept = overlap[f_req[~bad]]                # requests that kept pages of this pool from the last step
             suspect |= self._alias_suspect(refs, added_blocks[shared], added_handles[shared], kept[shared])
-        delta = _Delta(p, (removed_blocks, removed_handles), (added_blocks, added_handles), n_compared)
-        return delta, suspect
+        return (added_blocks, added_handles), suspect
 
     @staticmethod
     def _alias_suspect(refs: _BlockRefs, blk: np.ndarray, handle: np.ndarray, kept: np.ndarray) -> bool:

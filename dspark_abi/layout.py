@@ -34,9 +34,12 @@ RATIO128_STATE_PAGE_SIZE = 8
 RATIO4_STATE_LEN = 8
 RATIO128_STATE_LEN = 128
 
-#: Longest chunk one request may add in one call (upstream's group capacity, the token all-gather window):
-#: with the reach it fixes the width of the ring tables.
-MAX_CHUNK_TOKENS = 8192
+#: Upstream's group capacity: the token all-gather window of one TP group holds this many rows. The one home of
+#: the number: the default ``PaddingPolicy.token_cap`` and :data:`MAX_CHUNK_TOKENS` are this constant.
+GROUP_CAPACITY = 8192
+#: Longest chunk one request may add in one call (the group capacity): with the reach it fixes the width of the
+#: ring tables.
+MAX_CHUNK_TOKENS = GROUP_CAPACITY
 
 #: Rows per page of each pool (fixed by the ABI, the same for every configuration).
 PAGE_SIZES: dict[PoolName, int] = {
@@ -169,6 +172,26 @@ def ring_width_for(table_width: int, page_size: int, reach: int, chunk: int = MA
     return min(table_width, cdiv(reach + chunk, page_size) + 1)
 
 
+def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first page, one past the last page) of the logical range ``[lo, hi)`` in pages of ``page_size``:
+    ``(lo // S, (hi - 1) // S + 1)``, and ``(0, 0)`` where the range is empty (hi <= lo). Elementwise, int64.
+
+    The one home of a live range's page span (allocator, validators, upstream checks and layouts call it).
+
+    >>> [a.tolist() for a in page_span(np.array([0, 31, 64, 5]), np.array([1, 33, 64, 5]), 32)]
+    [[0, 0, 0, 0], [1, 2, 0, 0]]
+    """
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    has = hi > lo
+    first = lo // page_size             # new arrays, then updated in place: the fewest passes and allocations
+    first *= has
+    stop = hi - 1
+    stop //= page_size
+    stop += 1
+    stop *= has
+    return first, stop
+
+
 def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) -> np.ndarray:
     """[R] int64 logical pages each request's live range spans (0 for an empty request).
 
@@ -177,10 +200,11 @@ def live_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: int) 
     """
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
-    lo, hi = live_range(pl, start, end, window)
-    has = (end > start) & (hi > lo)
-    first = 0 if not pl.is_ring else lo // pl.page_size
-    return np.where(has, (hi - 1) // pl.page_size - first + 1, 0)
+    first, stop = page_span(*live_range(pl, start, end, window), pl.page_size)
+    if pl.is_ring:
+        stop -= first
+    stop *= end > start
+    return stop
 
 
 def table_column(pl: PoolLayout, page: np.ndarray, width: int) -> np.ndarray:
@@ -257,8 +281,8 @@ def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: in
     """
     start = np.asarray(start, dtype=np.int64)
     end = np.asarray(end, dtype=np.int64)
-    count = live_pages(pl, start, end, window)
-    first = np.where(count > 0, live_range(pl, start, end, window)[0] // pl.page_size, 0)
+    first, stop = page_span(*live_range(pl, start, end, window), pl.page_size)
+    count = (stop - first) * (end > start)     # an empty request's first page is never read: it owns no page
     request = np.repeat(np.arange(start.size, dtype=np.int64), count)
     offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
     return request, first[request] + offset

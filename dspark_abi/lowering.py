@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from dspark_abi.errors import ABIError, Issue
+from dspark_abi.requests import owner_of_rows
 
 
 def lower_local_request_ids(query_start_loc: Any, local_base: int, local_tokens: int) -> np.ndarray:
@@ -16,9 +17,8 @@ def lower_local_request_ids(query_start_loc: Any, local_base: int, local_tokens:
     Returns [L] int32: ``r`` where ``query_start_loc[r] <= local_base + i < query_start_loc[r+1]``;
     -1 for rows at or beyond N (padding). Zero-length requests own no row.
 
-    Cost O(L + R): each request's range is clipped to the rank's window and written as one run
-    (``np.repeat`` of request ids by clipped lengths), instead of testing every row against every
-    request (upstream's O(L*R) nested scan).
+    Cost O(L + R) (:func:`dspark_abi.requests.owner_of_rows`, the one ownership derivation; a batch's
+    ``requests.owner_in`` is the same function on its record).
 
     >>> lower_local_request_ids(np.array([0, 3, 7], np.int32), 4, 4).tolist()
     [1, 1, 1, -1]
@@ -26,13 +26,7 @@ def lower_local_request_ids(query_start_loc: Any, local_base: int, local_tokens:
     qsl = np.asarray(query_start_loc)
     _check(qsl, local_base, local_tokens)
     qsl = qsl.astype(np.int64, copy=False)
-    lo, hi = local_base, local_base + local_tokens
-    starts = np.clip(qsl[:-1], lo, hi)
-    stops = np.clip(qsl[1:], lo, hi)
-    owned = np.repeat(np.arange(len(qsl) - 1, dtype=np.int32), stops - starts)
-    out = np.full(local_tokens, -1, dtype=np.int32)
-    out[: owned.size] = owned  # qsl[0] == 0, so the owned rows start at the window's first row
-    return out
+    return owner_of_rows(qsl[:-1], qsl[1:], local_base, local_tokens)
 
 
 def query_start_loc_issues(qsl: np.ndarray) -> list[Issue]:

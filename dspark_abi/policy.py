@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
 from dspark_abi._base import StrictModel, align_up
 from dspark_abi.config import issues_from_pydantic
-from dspark_abi.errors import ABIError
+from dspark_abi.errors import ABIError, Issue
+from dspark_abi.layout import GROUP_CAPACITY
 
-#: Upstream's group capacity (the token all-gather window holds 8192 rows).
-DEFAULT_TOKEN_CAP = 8192
+#: Default largest N of a group: upstream's group capacity (:data:`dspark_abi.layout.GROUP_CAPACITY`).
+DEFAULT_TOKEN_CAP = GROUP_CAPACITY
 
 
 class PaddingPolicy(StrictModel):
@@ -76,3 +78,27 @@ class PaddingPolicy(StrictModel):
     def padded_rows(self, num_tokens: int) -> int:
         """P for N live tokens."""
         return align_up(num_tokens, self.tp_size)
+
+    def rank_issues(self, rank: object, *, whole_group: bool = False) -> list[Issue]:
+        """``rank.index`` unless ``rank`` is an integer (Python or numpy, not bool) in ``[0, tp_size)``, or None
+        when ``whole_group`` allows it: the one statement of the rank bounds (rank views, plans, kernel checks)."""
+        if rank is None and whole_group:
+            return []
+        if not isinstance(rank, bool | np.bool_) and isinstance(rank, int | np.integer) and 0 <= rank < self.tp_size:
+            return []
+        bounds = f"0 <= rank < {self.tp_size}"
+        return [Issue("rank.index", "rank", f"rank {rank!r} does not exist in a TP-{self.tp_size} group",
+                      expected=f"None or {bounds}" if whole_group else bounds, actual=repr(rank))]
+
+    def rank_rows(self, rank: int, num_tokens: int) -> tuple[int, int]:
+        """Group rows ``[r * L, (r + 1) * L)`` of rank ``r`` (checked with :meth:`rank_issues`) for N live tokens."""
+        local = self.padded_rows(num_tokens) // self.tp_size
+        return int(rank) * local, (int(rank) + 1) * local
+
+    def padding_positions(self, last_position: int, count: int) -> np.ndarray:
+        """[count] int64 positions of the padding rows after a last live row at ``last_position``: the one home
+        of the padding-position rule (the builder writes it, the validator and the kernels' input checks read
+        it). 'zero' gives 0s; 'continue' gives last_position + 1, + 2, ..."""
+        if self.pad_position == "zero":
+            return np.zeros(count, dtype=np.int64)
+        return int(last_position) + 1 + np.arange(count, dtype=np.int64)

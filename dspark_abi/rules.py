@@ -27,6 +27,7 @@ from dspark_abi.layout import (
 )
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS, PoolBlocks
+from dspark_abi.requests import owner_of_rows
 
 
 def _flag(issues: list[Issue], code: str, field: str, mask: np.ndarray, message: str, *,
@@ -82,7 +83,7 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
     starts_row = qsl[:-1].astype(np.int64)
     lengths: np.ndarray = np.diff(qsl.astype(np.int64))
     n_req = lengths.size
-    row_request = np.repeat(np.arange(n_req, dtype=np.int64), lengths)             # [N]
+    row_request = owner_of_rows(starts_row, qsl[1:], 0, n).astype(np.int64)        # [N]
     pos = positions[:n].astype(np.int64)                                           # [N]
     nonempty = lengths > 0
     start = np.zeros(n_req, dtype=np.int64)
@@ -122,10 +123,7 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
     pad = np.arange(n, n_rows)
     if pad.size == 0:
         return
-    if policy.pad_position == "zero":
-        want = np.zeros(pad.size, dtype=np.int64)
-    else:
-        want = int(positions[n - 1]) + 1 + np.arange(pad.size, dtype=np.int64)
+    want = policy.padding_positions(int(positions[n - 1]) if n else -1, pad.size)
     got = positions[n:].astype(np.int64)
     _flag(issues, "padding.position", "positions", got != want,
           f"padding rows take positions by policy pad_position={policy.pad_position!r}", index_of=pad,
@@ -138,13 +136,27 @@ def _check_padding(issues: list[Issue], policy: PaddingPolicy, max_pos: int, n: 
         _flag(issues, "padding.slot", SLOT_FIELDS[p], s != policy.pad_slot, "padding rows must not write",
               index_of=pad, expected=policy.pad_slot, actual=s)
     if token_ids is not None:
-        t = token_ids[n:]
-        _flag(issues, "padding.token_id", "token_ids", t != policy.pad_token_id, "padding token ids per policy",
-              index_of=pad, expected=policy.pad_token_id, actual=t)
+        padding_token_issues(issues, policy, n, token_ids)
     if hidden is not None:
-        nonzero = np.any(hidden[n:].reshape(pad.size, -1) != 0, axis=1)
-        _flag(issues, "padding.hidden", "hidden", nonzero, "padding rows of the hidden state must be zero",
-              index_of=pad, expected=0.0, actual="nonzero row")
+        padding_hidden_issues(issues, n, hidden)
+
+
+def padding_token_issues(issues: list[Issue], policy: PaddingPolicy, n: int, token_ids: np.ndarray) -> None:
+    """``padding.token_id`` when a padding row (rows ``n..P-1`` of ``token_ids`` [P]) has another id than the
+    policy's ``pad_token_id`` (the one statement of the rule: the validator and ``prefill``'s input check)."""
+    t = token_ids[n:]
+    _flag(issues, "padding.token_id", "token_ids", t != policy.pad_token_id, "padding token ids per policy",
+          index_of=np.arange(n, n + t.size), expected=policy.pad_token_id, actual=t)
+
+
+def padding_hidden_issues(issues: list[Issue], n: int, hidden: np.ndarray) -> None:
+    """``padding.hidden`` when a padding row (rows ``n..P-1`` of ``hidden`` [P, ...]) is not all zero."""
+    pad = hidden.shape[0] - n
+    if pad <= 0:
+        return
+    nonzero = np.any(hidden[n:].reshape(pad, -1) != 0, axis=1)
+    _flag(issues, "padding.hidden", "hidden", nonzero, "padding rows of the hidden state must be zero",
+          index_of=np.arange(n, n + pad), expected=0.0, actual="nonzero row")
 
 
 def _check_width(issues: list[Issue], pl: PoolLayout, table: np.ndarray, start: np.ndarray, end: np.ndarray,

@@ -60,14 +60,14 @@ def packed_batches(draw: st.DrawFn, config: ModelConfig = TINY, *, max_requests:
         warm = BatchBuilder(config, PaddingPolicy(), alloc)
         for d in range(decoys):
             warm.add(10_000 + d, num_cached=draw(st.integers(0, 64)), num_new=draw(st.integers(1, 16)))
-        warm.build()
+        warm.commit(warm.build())
         alloc.release(10_000 + draw(st.integers(0, decoys - 1)))
     builder = BatchBuilder(config, policy, alloc)
     first_chunk = [(i, c) for i, c in enumerate(cached) if chunked[i] and c > 0]
     if first_chunk:  # an earlier step of these requests: their tables exist before this batch
         for i, c in first_chunk:
             builder.add(i, num_cached=0, num_new=c)
-        builder.build()
+        builder.commit(builder.build())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     for i in range(n_req):
         ids = rng.integers(0, config.vocab_size, news[i]) if with_ids else None

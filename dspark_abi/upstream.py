@@ -45,11 +45,21 @@ from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
-from dspark_abi.layout import POOL_NAMES, PoolLayout, PoolName, live_pages, ring_width_for, table_column, touched_pages
+from dspark_abi.layout import (
+    POOL_NAMES,
+    PoolLayout,
+    PoolName,
+    live_pages,
+    page_span,
+    ring_width_for,
+    table_column,
+    touched_pages,
+)
 from dspark_abi.lowering import query_start_loc_issues
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import PoolBlocks
 from dspark_abi.ranks import merge_rank_arrays
+from dspark_abi.requests import owner_of_rows
 from dspark_abi.validation import subclass_issue
 
 #: Columns of the seven prefill block tables the serving stack stages for the deployed kernels, whose generated code
@@ -282,7 +292,7 @@ def _spans(qsl: np.ndarray, positions: np.ndarray, config: ModelConfig
         return zero, zero, None, zero > 0
     q = qsl.astype(np.int64)
     lengths, n = np.diff(q), int(q[-1])
-    row_request = np.repeat(np.arange(r_count), lengths)
+    row_request = owner_of_rows(q[:-1], q[1:], 0, n)
     start = zero.copy()
     start[lengths > 0] = positions[q[:-1][lengths > 0]]
     broken = positions[:n] != start[row_request] + (np.arange(n) - q[:-1][row_request])
@@ -298,7 +308,7 @@ def _span_issues(flat: Mapping[str, np.ndarray], config: ModelConfig, start: np.
     for pl in config.layout:
         name, table = _T[pl.name], flat[TABLE_FIELDS[pl.name]]
         hi = end // pl.ratio if pl.ratio else end                  # the live range's end (section 5.3)
-        last = np.where((end > start) & (hi > 0), (hi - 1) // pl.page_size + 1, 0)   # one past its last page
+        last = np.where(end > start, page_span(0, hi, pl.page_size)[1], 0)   # one past its last page
         req, col = np.nonzero(table != -1)
         past = (end[req] > start[req]) & (col >= last[req])
         if past.any():
@@ -326,13 +336,14 @@ def _ring_overwrite(pl: PoolLayout, name: str, table: np.ndarray, start: np.ndar
     r, ps, reach = int(req[dup[0]]), pl.page_size, pl.reach
     period = int((page[dup + 1] - page[dup])[req[dup] == r].min())     # pages after which the ring repeats
     lo, chunk = max(0, int(start[r]) - reach), int(end[r] - start[r])
+    first_page, stop_page = page_span(lo, int(end[r]), ps)
     longest = (period - 1) * ps + 1 - reach        # a live range of reach + chunk positions spans <= period pages
     split = f"split its chunk into pieces of at most {longest} tokens" if longest > 0 else \
         "the ring cannot even hold the carried history"
     return [Issue("upstream.state_ring_overwrite", name,
                   f"live state pages {int(page[dup[0]])} and {int(page[dup[0] + 1])} of request {r} share block "
                   f"{int(blk[dup[0] + 1])}: its ring repeats every {period} pages, fewer than the "
-                  f"{(int(end[r]) - 1) // ps - lo // ps + 1} pages of the positions [{lo}, {int(end[r])}) the call "
+                  f"{int(stop_page - first_page)} pages of the positions [{lo}, {int(end[r])}) the call "
                   "reads and writes, so it overwrites state it still reads", index=int(page[dup[0] + 1]), request=r,
                   expected="distinct blocks on the live state pages", actual=int(blk[dup[0] + 1]),
                   count=int(dup.size), fix=f"give request {r} a {pl.name} ring of at least "

@@ -13,6 +13,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, PackedBatch
+from dspark_abi.rules import padding_hidden_issues, padding_token_issues
 from dspark_kernels.model.backends import BACKENDS, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardResult, run_forward
@@ -37,7 +38,8 @@ class RequestOutput:
     hidden: np.ndarray
     """[n_i, D] float32 final hidden rows."""
     sampled: int | None
-    """Greedy next token from its last row, when that row was among the logit rows."""
+    """Greedy next token from its last row, when that row was among the call's logit rows (the batch's
+    ``requests.logit_row`` unless ``prefill(logit_rows=...)`` chose others)."""
     target_hidden: np.ndarray | None = None
     """[n_i, T * D] float32 DSpark drafter features of its rows (``PrefillResult.target_hidden``), or None."""
 
@@ -69,16 +71,16 @@ class PrefillResult:
 
     @property
     def requests(self) -> list[RequestOutput]:
-        """Per-request views (hidden rows, positions, sampled token)."""
-        qsl, ids, out = self.batch.query_start_loc, self.batch.request_ids, []
+        """Per-request views (hidden rows, positions, sampled token), read from the batch's request record."""
+        record, out = self.batch.requests, []
         by_row = {int(r): int(s) for r, s in zip(self.logit_rows, self.sampled, strict=True) if r >= 0}
-        for i in range(self.batch.num_requests):
-            lo, hi = int(qsl[i]), int(qsl[i + 1])
+        for i in range(record.count):
+            rows = record.rows(i)
             out.append(RequestOutput(
-                index=i, request_id=i if ids is None else int(ids[i]), rows=slice(lo, hi),
-                positions=self.batch.positions[lo:hi], hidden=self.hidden[lo:hi],
-                sampled=by_row.get(hi - 1) if hi > lo else None,
-                target_hidden=None if self.target_hidden is None else self.target_hidden[lo:hi]))
+                index=i, request_id=int(record.ids[i]), rows=rows,
+                positions=self.batch.positions[rows], hidden=self.hidden[rows],
+                sampled=by_row.get(int(rows.stop) - 1) if rows.stop > rows.start else None,
+                target_hidden=None if self.target_hidden is None else self.target_hidden[rows]))
         return out
 
 
@@ -172,12 +174,8 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
                                 actual="NaN or inf"))
         elif arr.ndim >= 2 and arr.shape[0] == batch.padded_rows:
             issues += _padding_hidden_issues(batch, arr)
-    elif arr.dtype.kind in "iu" and arr.shape == (batch.padded_rows,) and batch.padded_rows > batch.num_tokens:
-        pad = arr[batch.num_tokens:]
-        if (pad != batch.policy.pad_token_id).any():
-            issues.append(Issue("padding.token_id", "token_ids", "padding rows must carry the policy's pad id",
-                                index=batch.num_tokens + int(np.flatnonzero(pad != batch.policy.pad_token_id)[0]),
-                                expected=batch.policy.pad_token_id, actual="other ids"))
+    elif arr.dtype.kind in "iu" and arr.shape == (batch.padded_rows,):
+        padding_token_issues(issues, batch.policy, batch.num_tokens, arr)    # the policy's rule, as validated
     if not isinstance(weights, ModelWeights):
         issues.append(Issue("config.mismatch", "weights", "weights must be a ModelWeights",
                             expected="ModelWeights", actual=type(weights).__name__))
@@ -187,16 +185,11 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
 
 
 def _padding_hidden_issues(batch: PackedBatch, hidden: np.ndarray) -> list[Issue]:
-    """``padding.hidden`` for the first padding row of ``hidden`` [P, ...] that is not all zero (with the count),
-    as the ABI validator reports it; the batch itself is already valid, so nothing else is re-validated."""
-    n, p = batch.num_tokens, batch.padded_rows
-    if p == n:
-        return []  # no padding rows
-    nonzero = np.flatnonzero(np.any(hidden[n:].reshape(p - n, -1) != 0, axis=1))
-    if nonzero.size == 0:
-        return []
-    return [Issue("padding.hidden", "hidden", "padding rows of the hidden state must be zero",
-                  index=n + int(nonzero[0]), expected=0.0, actual="nonzero row", count=int(nonzero.size))]
+    """``padding.hidden`` for the first padding row of ``hidden`` [P, ...] that is not all zero (with the count):
+    the ABI validator's own rule; the batch itself is already valid, so nothing else is re-validated."""
+    issues: list[Issue] = []
+    padding_hidden_issues(issues, batch.num_tokens, hidden)
+    return issues
 
 
 def _snapshot_written_rows(batch: PackedBatch, caches: ModelCaches, layers: list[int]

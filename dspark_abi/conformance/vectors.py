@@ -142,6 +142,7 @@ def build(config: ModelConfig, policy: PaddingPolicy, steps: list[Step], pools: 
         for rid, cached, new in step:
             builder.add(rid, cached, new, _token_ids(rid, cached, new, config.vocab_size) if token_ids else None)
         batch = builder.build()
+        builder.commit(batch)
     if batch is None:
         raise ValueError("build() needs at least one step")
     return batch

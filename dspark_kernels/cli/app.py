@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed + 1)
     prompts = [rng.integers(0, config.vocab_size, cached + new) for new, cached in requests]
     allocator = BlockAllocator(config, pool_blocks_for(config, [c + n for n, c in requests]))
-    context, batch = _plan(config, allocator, requests, prompts, args.tp)
+    context, builder, batch = _plan(config, allocator, requests, prompts, args.tp)
     weights = load_weights(args, config)
     check_memory(config, args, [*(b for _, b in context), batch], allocator.pool_blocks, weights)
     mode = progress_mode(args)
@@ -83,14 +83,16 @@ def run(args: argparse.Namespace) -> int:
     hidden, sampled, rows, logits, target = _run_batch(batch, weights, caches, args,
                                                        LayerProgress("prefill", mode, config.num_layers), prepared)
     elapsed = time.perf_counter() - t0
+    builder.commit(batch)                                   # the forward ran: the requests advance
 
     by_row = {int(r): int(s) for r, s in zip(rows, sampled, strict=True) if r >= 0}
     summary = []
+    record = batch.requests
     for i, (new, cached) in enumerate(requests):
-        last = int(batch.query_start_loc[i + 1]) - 1
+        out_row = int(record.logit_row[i])                  # -1: the request asked for no output
         summary.append({"request": i, "new_tokens": new, "cached_tokens": cached,
                         "positions": [cached, cached + new - 1] if new else [],
-                        "next_token": by_row.get(last) if new else None})
+                        "next_token": by_row.get(out_row) if out_row >= 0 else None})
     if args.save:  # before the summary: a failed write must not follow a printed success
         _save(args.save, batch, hidden, rows, logits, sampled, target)
     features = None if target is None else {"layers": list(config.dspark_target_layers), "shape": list(target.shape),
@@ -141,20 +143,26 @@ def _announce(args: argparse.Namespace, config: ModelConfig, weights: ModelWeigh
 
 
 def _plan(config: ModelConfig, allocator: BlockAllocator, requests: Sequence[tuple[int, int]],
-          prompts: Sequence[np.ndarray], tp: int) -> tuple[list[tuple[int, PackedBatch]], PackedBatch]:
+          prompts: Sequence[np.ndarray], tp: int
+          ) -> tuple[list[tuple[int, PackedBatch]], BatchBuilder, PackedBatch]:
     """Every batch of the run, built (and so validated) before any is computed: the context chunks
-    (request, batch) in order, then the packed batch."""
+    (request, batch) in order, then the packed batch and the builder that commits it after its forward.
+
+    A chunk is committed as soon as it is built, so that the request's next chunk continues after it: the run
+    owns its allocator, and planning every step before the first forward keeps every check ahead of every write."""
     context = BatchBuilder(config, PaddingPolicy(tp_size=1), allocator)
     chunks = []
     for rid, (_, cached) in enumerate(requests):
         for lo in range(0, cached, context.policy.token_cap):
             hi = min(cached, lo + context.policy.token_cap)
             context.add(rid, num_cached=lo, num_new=hi - lo, token_ids=prompts[rid][lo:hi])
-            chunks.append((rid, context.build(logit_rows=None)))
+            chunk = context.build(logit_rows=None)
+            context.commit(chunk)
+            chunks.append((rid, chunk))
     builder = BatchBuilder(config, PaddingPolicy(tp_size=tp), allocator)
     for rid, (new, cached) in enumerate(requests):
         builder.add(rid, num_cached=cached, num_new=new, token_ids=prompts[rid][cached:])
-    return chunks, builder.build()
+    return chunks, builder, builder.build()
 
 
 def _token_ids(batch: PackedBatch) -> np.ndarray:

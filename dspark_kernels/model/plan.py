@@ -10,7 +10,7 @@ field                   what, and where it comes from
 ``row_start/row_stop``  the query rows: ``[0, P)``, or the rank's ``[r*L, (r+1)*L)``
 ``positions``           [P] int64 positions of all group rows (the KV side covers them all)
 ``request``             [P] int32 ``batch.row_request``: the ABI's one row-ownership array, shared, not recomputed
-``run_*``               the group rows ``[qsl[r], qsl[r+1])`` of every non-empty request, from ``query_start_loc``
+``run_*``               the group rows ``[qsl[r], qsl[r+1])`` of every non-empty request: ``batch.requests.runs()``
                         (:meth:`runs_in` clips them to a row range)
 ``boundaries[m]``       [B] int64 live rows that close a ratio-m window, m = 4 and 128 (they write entry
                         ``(p+1)/m - 1``: :func:`~dspark_kernels.model.geometry.boundary_rows`)
@@ -40,7 +40,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_abi import ABIError, ModelConfig, PackedBatch
 from dspark_abi.config import LayerKind
 from dspark_abi.layout import physical_rows, visible_entries
 from dspark_kernels.model.geometry import (
@@ -147,20 +147,18 @@ class BatchPlan:
         Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ValueError for an unknown precision.
         """
         prec = check_precision(precision)
-        tp, local = batch.tp_size, batch.local_rows
+        bad_rank = batch.policy.rank_issues(rank, whole_group=True)
+        if bad_rank:
+            raise ABIError(bad_rank)
         if rank is None:
             lo, hi = 0, batch.padded_rows
-        elif isinstance(rank, bool) or not isinstance(rank, int | np.integer) or not 0 <= rank < tp:
-            raise ABIError([Issue("rank.index", "rank", f"rank {rank!r} does not exist in a TP-{tp} group",
-                                  expected=f"None or 0 <= rank < {tp}", actual=repr(rank))])
         else:
             rank = int(rank)
-            lo, hi = rank * local, (rank + 1) * local
+            lo, hi = batch.policy.rank_rows(rank, batch.num_tokens)
         config = batch.config
         positions = _frozen(batch.positions.astype(np.int64))
-        request = batch.row_request
-        qsl = batch.query_start_loc.astype(np.int64)
-        live = qsl[1:] > qsl[:-1]
+        request = batch.row_request                   # the batch's request record owns the rows and the runs
+        run_starts, run_stops, run_requests = batch.requests.runs()
         ratios = compress_ratios(config)
         boundaries = {m: _frozen(boundary_rows(positions, request, m)) for m in ratios}
         visible = {m: _frozen(np.where(request >= 0, visible_entries(positions, m), 0)) for m in ratios}
@@ -183,10 +181,9 @@ class BatchPlan:
         state_windows = {pool: StateWindows(*(_frozen(a) for a in window_state_rows(
             positions, request, tables[pool], m, pools[pool].page_size, boundaries[m]))) for pool, m in compressors}
         return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
-                   request=request, run_starts=_frozen(qsl[:-1][live]), run_stops=_frozen(qsl[1:][live]),
-                   run_requests=_frozen(np.flatnonzero(live).astype(np.int64)), boundaries=boundaries,
-                   visible=visible, window=window, entry_rows=entry_rows, state_windows=state_windows, rope=rope,
-                   window_rope=window_rope)
+                   request=request, run_starts=_frozen(run_starts), run_stops=_frozen(run_stops),
+                   run_requests=_frozen(run_requests), boundaries=boundaries, visible=visible, window=window,
+                   entry_rows=entry_rows, state_windows=state_windows, rope=rope, window_rope=window_rope)
 
     # ------------------------------------------------------------------ geometry
     @property

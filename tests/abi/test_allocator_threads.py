@@ -29,8 +29,8 @@ def _assert_consistent(alloc, live):
 
 
 def test_plan_made_stale_by_another_commit_is_refused(monkeypatch):
-    """Thread B builds between thread A's plan and A's commit (forced interleaving): A's step is refused,
-    nothing of it is allocated, its queue is kept, and retrying it succeeds on the new state."""
+    """Thread B builds and commits between thread A's plan and A's commit (forced interleaving): A's commit is
+    refused, nothing of it is allocated, and building the step again succeeds on the new state."""
     alloc = BlockAllocator(TINY, PoolBlocks.uniform(64))
     a = BatchBuilder(TINY, PaddingPolicy(), alloc)
     b = BatchBuilder(TINY, PaddingPolicy(), alloc)
@@ -40,19 +40,22 @@ def test_plan_made_stale_by_another_commit_is_refused(monkeypatch):
 
     def assemble_while_b_commits(*args, **kwargs):
         batch = real_assemble(*args, **kwargs)
-        b.build()  # "another thread" commits a step that takes the same blocks and the same table row
+        b.commit(b.build())  # "another thread" commits a step that takes the same blocks and the same table row
         return batch
 
     monkeypatch.setattr(a, "_assemble", assemble_while_b_commits)
+    stale = a.build()
     with pytest.raises(ABIError) as err:
-        a.build()
+        a.commit(stale)
     assert err.value.codes == {"alloc.stale_plan"}
     issue = err.value.issues[0]
     assert issue.field == "plan" and issue.expected != issue.actual
     assert alloc.knows(1) and not alloc.knows(0)
     _assert_consistent(alloc, [1])
     monkeypatch.undo()
-    batch = a.build()  # the kept queue, planned again on the current state
+    a.add(0, num_cached=0, num_new=40)
+    batch = a.build()  # the step, planned again on the current state
+    a.commit(batch)
     assert batch.request_ids.tolist() == [0]
     _assert_consistent(alloc, [0, 1])
 
@@ -61,7 +64,7 @@ def test_plan_made_stale_by_a_release_is_refused():
     alloc = BlockAllocator(TINY, PoolBlocks.uniform(64))
     builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
     builder.add(0, num_cached=0, num_new=20)
-    builder.build()
+    builder.commit(builder.build())
     plan = alloc.plan([0], np.array([20]), np.array([30]))
     alloc.release(0)
     with pytest.raises(ABIError) as err:
@@ -107,7 +110,7 @@ def test_lock_held_across_build_is_reentrant():
     builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
     builder.add(0, num_cached=0, num_new=5)
     with alloc.lock:  # plan, commit and the builder's queries re-enter the lock
-        builder.build()
+        builder.commit(builder.build())
     assert alloc.cached_tokens(0) == 5
 
 
@@ -143,19 +146,19 @@ def test_threads_hammering_one_allocator(hold_lock):
                     rid, next_id = next_id, next_id + 1
                 cached = mine.get(rid, 0)
                 new = rng.randint(1, min(48, TINY.max_position_embeddings - cached))
-                builder.clear()
-                builder.add(rid, num_cached=cached, num_new=new)
                 for _attempt in range(50):
+                    builder.clear()
+                    builder.add(rid, num_cached=cached, num_new=new)
                     try:
                         if hold_lock:
                             with alloc.lock:
-                                builder.build()
+                                builder.commit(builder.build())
                         else:
-                            builder.build()
+                            builder.commit(builder.build())
                     except ABIError as exc:
                         if exc.codes == {"alloc.stale_plan"} and not hold_lock:
                             stale[0] += 1
-                            continue  # the queue is kept: plan again on the current state
+                            continue  # build the step again on the current state
                         if exc.codes != {"alloc.exhausted"}:
                             raise
                         builder.clear()
@@ -206,7 +209,7 @@ def test_table_rows_of_a_plan_are_the_tables_after_its_commit():
     alloc = BlockAllocator(TINY, PoolBlocks.uniform(64))
     builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
     builder.add(0, num_cached=0, num_new=5)
-    builder.build()
+    builder.commit(builder.build())
     plan = alloc.plan([0, 1], np.array([5, 0]), np.array([40, 9]))  # request 1 is new in this step
     planned = alloc.table_rows([0, 1], plan)
     with pytest.raises(ABIError) as err:
@@ -226,7 +229,7 @@ def test_deepcopy_is_an_independent_snapshot_with_its_own_lock():
     original = BlockAllocator(TINY, PoolBlocks.uniform(64))
     builder = BatchBuilder(TINY, PaddingPolicy(tp_size=1), original)
     builder.add(0, num_cached=0, num_new=5)
-    builder.build()
+    builder.commit(builder.build())
     clone = copy.deepcopy(original)
     assert clone.lock is not original.lock
     assert clone.cached_tokens(0) == 5 and clone.free_blocks("ori") == original.free_blocks("ori")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks, validate
+from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks, validate
 from dspark_abi.presets import TINY
 
 
@@ -28,8 +28,10 @@ def test_chunked_prefill_reuses_tables_and_continues_positions():
     builder, alloc = _builder(tp=2)
     builder.add(7, num_cached=0, num_new=50)
     first = builder.build()
+    builder.commit(first)
     builder.add(7, num_cached=50, num_new=30)
     second = builder.build()
+    builder.commit(second)
     assert second.positions[:30].tolist() == list(range(50, 80))
     def ori_block(batch, page):  # a ring table holds logical page i in column i % width
         return batch.tables.ori[0, page % batch.tables.ori.shape[1]]
@@ -48,7 +50,7 @@ def test_chunked_prefill_reuses_tables_and_continues_positions():
 def test_continuation_must_start_where_previous_chunk_ended():
     builder, _ = _builder()
     builder.add(0, num_cached=0, num_new=10)
-    builder.build()
+    builder.commit(builder.build())
     builder.add(0, num_cached=12, num_new=4)
     with pytest.raises(ABIError) as err:
         builder.build()
@@ -61,6 +63,7 @@ def test_state_ring_pages_are_recycled():
     for step in range(20):  # 20 chunks of 64 tokens: 1280 positions, far more than 300 state blocks hold
         builder.add(0, num_cached=64 * step, num_new=64)
         batch = builder.build()
+        builder.commit(batch)
         assert validate(batch).ok
         used.append((300 - alloc.free_blocks("csa_state"), 300 - alloc.free_blocks("ori")))
         assert alloc.held_blocks(0)["ori"] == used[-1][1]
@@ -74,7 +77,7 @@ def test_release_returns_every_block():
     builder, alloc = _builder()
     builder.add(0, num_cached=0, num_new=100)
     builder.add(1, num_cached=40, num_new=10)
-    builder.build()
+    builder.commit(builder.build())
     alloc.release(0)
     alloc.release(1)
     assert all(alloc.free_blocks(p) == 256 for p in ("ori", "csa_cmp", "hca_cmp", "idx", "csa_state",
@@ -207,7 +210,155 @@ def test_a_serving_loop_with_a_step_validator_builds_the_same_batches():
         for builder in (plain, checked):
             for rid, cached, new in requests:
                 builder.add(rid, num_cached=cached, num_new=new)
-        assert checked.build() == plain.build()
+        built = checked.build(), plain.build()
+        assert built[0] == built[1]
+        checked.commit(built[0])
+        plain.commit(built[1])
     # request 0 continues from the step before: the last step re-proved its new compressed pages only, not its
     # 100,024-entry history (a request absent from the previous step is checked afresh)
     assert validator.last_stats.compared["csa_cmp"] > 10 * max(1, validator.last_stats.fresh["csa_cmp"])
+
+
+# ---------------------------------------------------------------------------------------------- build, then commit
+def _state(alloc):
+    """Everything the allocator holds (tables, free stacks, runs, cached counts)."""
+    return ({p: t.copy() for p, t in alloc._tables.items()}, {p: f[: alloc._top[p]].copy() for p, f in
+                                                               alloc._free.items()}, dict(alloc._cached))
+
+
+def _same_state(a, b):
+    return (all(np.array_equal(a[0][p], b[0][p]) for p in a[0]) and all(np.array_equal(a[1][p], b[1][p])
+                                                                       for p in a[1]) and a[2] == b[2])
+
+
+def _queue(builder, step):
+    for rid, cached, new in step:
+        builder.add(rid, num_cached=cached, num_new=new)
+
+
+def test_build_changes_nothing_and_a_dropped_batch_can_be_built_again():
+    builder, alloc = _builder(tp=2)
+    _queue(builder, [(0, 0, 50), (1, 0, 9)])
+    builder.commit(builder.build())
+    before = _state(alloc)
+    step = [(0, 50, 30), (1, 9, 4), (2, 0, 7)]          # request 2 is new: it gets a table row only on commit
+    _queue(builder, step)
+    dropped = builder.build()
+    assert _same_state(_state(alloc), before) and not alloc.knows(2) and alloc.cached_tokens(0) == 50
+    del dropped
+    _queue(builder, step)
+    first = builder.build()
+    _queue(builder, step)
+    again = builder.build()
+    assert first == again                                 # every array equal
+    assert _same_state(_state(alloc), before)
+    builder.commit(again)
+    assert [alloc.cached_tokens(r) for r in (0, 1, 2)] == [80, 13, 7]
+
+
+def test_a_batch_is_committed_once_by_its_own_builder():
+    builder, alloc = _builder()
+    other = BatchBuilder(TINY, PaddingPolicy(), alloc)
+    _queue(builder, [(0, 0, 10)])
+    batch = builder.build()
+    for committer, copy in ((other, batch), (builder, PackedBatch.from_arrays(batch.to_arrays(), TINY,
+                                                                                batch.policy, batch.pool_blocks))):
+        with pytest.raises(ABIError) as err:              # another builder's batch, a batch made from arrays
+            committer.commit(copy)
+        assert err.value.codes == {"alloc.stale_plan"} and err.value.issues[0].field == "batch"
+        assert "not built by this builder" in err.value.issues[0].message
+    assert not alloc.knows(0)
+    builder.commit(batch)
+    before = _state(alloc)
+    with pytest.raises(ABIError) as err:
+        builder.commit(batch)
+    assert err.value.codes == {"alloc.stale_plan"} and "committed already" in err.value.issues[0].message
+    assert _same_state(_state(alloc), before) and alloc.cached_tokens(0) == 10
+
+
+def test_a_batch_overtaken_by_a_commit_or_a_release_is_stale():
+    builder, alloc = _builder()
+    _queue(builder, [(0, 0, 10), (1, 0, 5)])
+    builder.commit(builder.build())
+    _queue(builder, [(0, 10, 4)])
+    a = builder.build()
+    _queue(builder, [(0, 10, 6)])
+    b = builder.build()                                   # two candidate steps built on the same state
+    builder.commit(b)
+    before = _state(alloc)
+    with pytest.raises(ABIError) as err:
+        builder.commit(a)
+    assert err.value.codes == {"alloc.stale_plan"} and err.value.issues[0].field == "plan"
+    assert _same_state(_state(alloc), before) and alloc.cached_tokens(0) == 16
+    _queue(builder, [(1, 5, 3)])
+    c = builder.build()
+    alloc.release(0)
+    after_release = _state(alloc)
+    with pytest.raises(ABIError) as err:
+        builder.commit(c)
+    assert err.value.codes == {"alloc.stale_plan"}
+    assert _same_state(_state(alloc), after_release) and alloc.cached_tokens(1) == 5
+
+
+def test_the_continuation_hint_says_to_commit_the_previous_batch():
+    builder, _ = _builder()
+    _queue(builder, [(0, 0, 10)])
+    builder.commit(builder.build())
+    _queue(builder, [(0, 10, 5)])
+    builder.build()                                       # built, never committed
+    _queue(builder, [(0, 15, 5)])
+    with pytest.raises(ABIError) as err:
+        builder.build()
+    issue = err.value.issues[0]
+    assert (issue.code, issue.expected, issue.actual) == ("builder.request", 10, 15)
+    assert "num_cached=10" in issue.fix and "commit" in issue.fix
+
+
+def test_the_step_validator_takes_a_step_as_baseline_on_commit_only():
+    """A built and dropped step leaves the validator's baseline alone: rebuilding it gives the same report and the
+    same incremental work as building it once, and the next step is checked against the committed one."""
+    from dspark_abi.incremental import StepValidator
+
+    def loop(drop):
+        alloc = BlockAllocator(TINY, PoolBlocks.uniform(256))
+        validator = StepValidator(TINY, PaddingPolicy(), alloc.pool_blocks)
+        builder = BatchBuilder(TINY, PaddingPolicy(), alloc, validator=validator)
+        stats = []
+        for step in ([(0, 0, 200), (1, 0, 150)], [(0, 200, 200), (1, 150, 150)], [(0, 400, 100)]):
+            if drop:
+                _queue(builder, [(rid, cached, new + 1) for rid, cached, new in step])
+                builder.build()                           # another candidate, dropped
+            _queue(builder, step)
+            batch = builder.build()
+            stats.append(validator.last_stats)
+            builder.commit(batch)
+        return stats
+
+    assert loop(drop=True) == loop(drop=False)
+
+
+def test_the_request_record_travels_with_the_batch_and_its_rank_views():
+    from dspark_abi.requests import BatchRequests
+
+    builder, _ = _builder(tp=2)
+    builder.add(0, num_cached=126, num_new=3)
+    builder.add(5, num_cached=40, num_new=0)
+    builder.add(1, num_cached=30, num_new=4)
+    batch = builder.build(logit_rows=[6])
+    record = batch.requests
+    assert record.ids.tolist() == [0, 5, 1] and record.first_position.tolist() == [126, 40, 30]
+    assert (record.row_start.tolist(), record.row_end.tolist()) == ([0, 3, 3], [3, 3, 7])
+    assert record.logit_row.tolist() == [-1, -1, 6] and record.commit_rows.tolist() == [3, 0, 4]
+    derived = BatchRequests.from_arrays(batch.query_start_loc, batch.positions, batch.request_ids, batch.logit_rows)
+    assert derived.first_position.tolist() == [126, -1, 30]        # the arrays do not carry an empty request's
+    assert record.agrees_with(batch.query_start_loc, batch.positions, batch.request_ids, batch.logit_rows)
+    assert batch.row_request.tolist() == record.row_request(batch.padded_rows).tolist() == [0, 0, 0, 2, 2, 2, 2, -1]
+    assert batch.request_starts.tolist() == [126, -1, 30]
+    for r in range(2):
+        view = batch.rank(r)
+        assert view.requests is record
+        assert view.local_request_ids.tolist() == record.owner_in(view.row_start, batch.local_rows).tolist()
+    last = batch.with_logit_rows([2, 6])                  # another output intent: the record follows the arrays
+    assert last.requests.logit_row.tolist() == [2, -1, 6] and batch.requests.logit_row.tolist() == [-1, -1, 6]
+    with pytest.raises(ValueError):
+        record.ids[0] = 9

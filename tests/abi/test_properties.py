@@ -45,3 +45,24 @@ def test_lowering_equals_nested_scan(case):
     qsl, base, local = case
     np.testing.assert_array_equal(lower_local_request_ids(qsl, base, local),
                                   nested_scan_local_request_ids(qsl, base, local))
+
+
+@given(packed_batches(), st.integers(0, 64))
+def test_the_request_record_is_the_arrays_requests(batch, extra_rows):
+    """The builder's record describes the batch's arrays exactly, and every ownership view of it equals the
+    executable specification (the O(L*R) nested scan) on any window, padding rows and beyond included."""
+    from dspark_abi.requests import BatchRequests
+
+    record = batch.requests
+    assert record.agrees_with(batch.query_start_loc, batch.positions, batch.request_ids, batch.logit_rows)
+    derived = BatchRequests.from_arrays(batch.query_start_loc, batch.positions, batch.request_ids,
+                                        batch.logit_rows)
+    live = derived.first_position >= 0
+    assert np.array_equal(record.first_position[live], derived.first_position[live])
+    assert np.array_equal(record.commit_rows, record.lengths)          # every row commits (no verify step yet)
+    for lo in (0, batch.local_rows, batch.num_tokens):
+        count = batch.padded_rows - lo + extra_rows
+        assert np.array_equal(record.owner_in(lo, count),
+                              nested_scan_local_request_ids(batch.query_start_loc, lo, count))
+    starts, stops, owners = record.runs()
+    assert np.array_equal(np.repeat(owners, stops - starts), batch.row_request[: batch.num_tokens])

@@ -48,6 +48,7 @@ def build(config, steps, tp=2, blocks=None):
         for rid, cached, new in step:
             builder.add(rid, num_cached=cached, num_new=new, token_ids=rng.integers(1, config.vocab_size, new))
         batch = builder.build()
+        builder.commit(batch)
     return batch
 
 

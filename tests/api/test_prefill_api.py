@@ -151,7 +151,9 @@ def test_pool_exhaustion_mid_run_leaves_caches_and_tables_intact(weights):
     def step(builder, caches, rid, cached, ids):
         builder.add(rid, num_cached=cached, num_new=len(ids), token_ids=ids)
         batch = builder.build()
-        return prefill(batch, batch.token_ids, weights, caches)
+        result = prefill(batch, batch.token_ids, weights, caches)
+        builder.commit(batch)
+        return result
 
     roomy = BlockAllocator(TINY, pool_blocks_for(TINY, [80, 60], slack=64))
     roomy_caches = ModelCaches.allocate(TINY, roomy.pool_blocks)

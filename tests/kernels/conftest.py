@@ -45,7 +45,9 @@ def build(alloc: BlockAllocator, requests: Sequence[tuple[int, int, int]], tp: i
     bb = BatchBuilder(config, PaddingPolicy(tp_size=tp, pad_position=pad_position), alloc)
     for rid, cached, new in requests:
         bb.add(rid, cached, new)
-    return bb.build()
+    batch = bb.build()
+    bb.commit(batch)
+    return batch
 
 
 def new_allocator(config=TINY, pools: PoolBlocks = TINY_POOLS) -> BlockAllocator:

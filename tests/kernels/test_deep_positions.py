@@ -70,7 +70,9 @@ def step(alloc: BlockAllocator, requests: list[tuple[int, int, int]], tp: int):
     builder = BatchBuilder(DEEP, PaddingPolicy(tp_size=tp), alloc)
     for rid, cached, new in requests:
         builder.add(rid, num_cached=cached, num_new=new)
-    return builder.build()
+    batch = builder.build()
+    builder.commit(batch)
+    return batch
 
 
 def hidden(batch, seed: int = 0) -> np.ndarray:

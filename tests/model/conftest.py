@@ -44,7 +44,9 @@ class Session:
         bb = BatchBuilder(self.config, self.policy, self.alloc)
         for rid, cached, new in requests:
             bb.add(rid, num_cached=cached, num_new=new, token_ids=tokens_of(rid)[cached:cached + new])
-        return bb.build()
+        batch = bb.build()
+        bb.commit(batch)
+        return batch
 
 
 _WEIGHTS: dict[int, ModelWeights] = {}

@@ -289,7 +289,9 @@ def build(requests, tp: int = 1) -> PackedBatch:
     bb = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), BlockAllocator(TINY, POOLS))
     for rid, cached, new in requests:
         bb.add(rid, cached, new)
-    return bb.build()
+    batch = bb.build()
+    bb.commit(batch)
+    return batch
 
 
 def hidden_rows(batch: PackedBatch, seqs: dict[int, np.ndarray]) -> np.ndarray:

@@ -27,7 +27,9 @@ def packed_batch(tp_size: int = 2):
     builder.add(0, num_cached=126, num_new=3)
     builder.add(1, num_cached=30, num_new=4)
     builder.add(2, num_cached=0, num_new=2)
-    return builder.build()
+    batch = builder.build()
+    builder.commit(batch)
+    return batch
 
 
 def hidden_rows(batch, seed: int = SEED) -> np.ndarray:
@@ -58,7 +60,9 @@ def long_batch(tp_size: int = 2):
     builder.add(0, num_cached=400, num_new=3)
     builder.add(1, num_cached=254, num_new=4)
     builder.add(2, num_cached=0, num_new=2)
-    return builder.build()
+    batch = builder.build()
+    builder.commit(batch)
+    return batch
 
 
 def attention_core_inputs(batch, layer: int, rank: int, seed: int, key_tile: int) -> dict:
@@ -139,7 +143,9 @@ def compressor_batch(tp_size: int = 2):
     builder.add(0, num_cached=124, num_new=8)
     builder.add(1, num_cached=250, num_new=7)
     builder.add(2, num_cached=0, num_new=4)
-    return builder.build()
+    batch = builder.build()
+    builder.commit(batch)
+    return batch
 
 
 #: TINY heads at the real depth: ring widths ori 258 (32-row pages), state pools 4101 / 1041 columns.
@@ -164,7 +170,9 @@ def ring_batch(tp_size: int = 2, cached: tuple[int, int] = (293_884, 20_000)):
     builder.add(0, num_cached=cached[0], num_new=8)
     builder.add(1, num_cached=cached[1], num_new=5)
     builder.add(2, num_cached=0, num_new=4)
-    return builder.build()
+    batch = builder.build()
+    builder.commit(batch)
+    return batch
 
 
 #: ``ring_batch(cached=SHALLOW_RING)``: one ring turn deep (whole layers, CSA indexer included).

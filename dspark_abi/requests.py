@@ -1,0 +1,180 @@
+"""`BatchRequests`: the requests of one packed batch as one record, and every per-request fact derived from it.
+
+A request of a step is its serving id, the position it starts at, the contiguous group rows it owns (its span of
+``query_start_loc``), what it asks of the step's outputs and how far its cache may advance once the step is
+committed. The record is built once per batch (by :class:`~dspark_abi.BatchBuilder`, or from the batch's arrays
+by :meth:`BatchRequests.from_arrays`), travels as ``PackedBatch.requests`` and ``RankView.requests``, and is the
+one place row ownership, request starts, runs of rows, per-request logit rows and per-request result rows are
+derived from.
+
+>>> import numpy as np
+>>> req = BatchRequests.from_arrays(np.array([0, 3, 3, 7], np.int32), np.array([126, 127, 128, 30, 31, 32, 33, 0]),
+...                                 None, np.array([2, 6], np.int32))
+>>> req.row_request(8).tolist(), req.starts.tolist(), req.logit_row.tolist()
+([0, 0, 0, 2, 2, 2, 2, -1], [126, -1, 30], [2, -1, 6])
+>>> req.owner_in(4, 4).tolist()
+[2, 2, 2, -1]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` over an immutable ``bytes`` buffer: no one can write it or make it writeable again."""
+    return np.frombuffer(np.ascontiguousarray(a).tobytes(), dtype=a.dtype).reshape(a.shape)
+
+
+@attrs.frozen(eq=False)
+class BatchRequests:
+    """The R requests of one batch, in batch order (request ``r`` owns group rows ``[row_start[r], row_end[r])``).
+
+    Attributes:
+        ids: [R] int64 serving request ids (``request_ids``; 0..R-1 when the batch gives none).
+        first_position: [R] int64 tokens of the request cached before the step, i.e. the position of its first
+            new row. A builder knows it for every request; read from arrays, an empty request (no row) has -1.
+        row_start: [R] int32 first group row of the request (``query_start_loc[r]``).
+        row_end: [R] int32 one past its last group row (``query_start_loc[r + 1]``); equal to ``row_start`` for an
+            empty request.
+        logit_row: [R] int32 output intent: the group row whose logits are the request's next-token output (its
+            last row, when that row is among the batch's ``logit_rows``); -1 = the request asks for no output.
+        commit_rows: [R] int64 how far the request's cache may advance when the step is committed, in rows from
+            ``first_position``. Today every request commits all its rows (``row_end - row_start``), which is what
+            ``BatchBuilder.commit`` does. This is the hook a verify step (a request whose drafts may be rejected)
+            fills with fewer rows; nothing sets it otherwise yet.
+    """
+
+    ids: np.ndarray
+    first_position: np.ndarray
+    row_start: np.ndarray
+    row_end: np.ndarray
+    logit_row: np.ndarray
+    commit_rows: np.ndarray
+    _owners: dict[int, np.ndarray] = attrs.field(factory=dict, init=False, repr=False)   # P -> row_request(P)
+
+    # ------------------------------------------------------------------ construction (the only two ways)
+    @classmethod
+    def from_step(cls, ids: np.ndarray, cached: np.ndarray, new: np.ndarray, logit_rows: np.ndarray | str | None
+                  ) -> BatchRequests:
+        """The builder's record: ids [R], cached [R] and new [R] tokens of each request, and the batch's logit
+        rows ('last': every non-empty request asks for the logits of its last row)."""
+        row_end = np.empty(new.size, dtype=np.int32)
+        np.cumsum(new, out=row_end)
+        row_start = row_end - new.astype(np.int32)
+        return cls._made(np.asarray(ids, np.int64), np.asarray(cached, np.int64), row_start, row_end, logit_rows)
+
+    @classmethod
+    def from_arrays(cls, query_start_loc: np.ndarray, positions: np.ndarray, request_ids: np.ndarray | None,
+                    logit_rows: np.ndarray | None) -> BatchRequests:
+        """The record of a batch given as (validated) ABI arrays."""
+        qsl = np.asarray(query_start_loc)
+        row_start, row_end = qsl[:-1].astype(np.int32), qsl[1:].astype(np.int32)
+        live = row_end > row_start
+        first = np.full(row_start.size, -1, dtype=np.int64)
+        first[live] = np.asarray(positions)[row_start[live]]
+        ids = np.arange(row_start.size, dtype=np.int64) if request_ids is None else np.asarray(request_ids, np.int64)
+        return cls._made(ids, first, row_start, row_end, logit_rows)
+
+    @classmethod
+    def _made(cls, ids: np.ndarray, first: np.ndarray, row_start: np.ndarray, row_end: np.ndarray,
+              logit_rows: np.ndarray | str | None) -> BatchRequests:
+        last = row_end.astype(np.int64) - 1
+        asks = row_end > row_start
+        if logit_rows is None:
+            asks[:] = False
+        elif not isinstance(logit_rows, str):        # a str is the 'last' policy: every non-empty request asks
+            asks &= np.isin(last, np.asarray(logit_rows))
+        logit_row = np.where(asks, last, -1).astype(np.int32)
+        commit = (row_end - row_start).astype(np.int64)
+        # private read-only copies: a caller's array mutated later changes nothing here
+        return cls(*(_readonly(a) for a in (ids, first, row_start, row_end, logit_row, commit)))
+
+    def agrees_with(self, query_start_loc: np.ndarray, positions: np.ndarray, request_ids: np.ndarray | None,
+                    logit_rows: np.ndarray | None) -> bool:
+        """Whether this record is the one :meth:`from_arrays` derives from these arrays (the first positions of
+        empty requests aside, which the arrays do not carry). O(R + M)."""
+        other = BatchRequests.from_arrays(query_start_loc, positions, request_ids, logit_rows)
+        live = other.first_position >= 0
+        return (self.ids.shape == other.ids.shape and np.array_equal(self.ids, other.ids)
+                and np.array_equal(self.row_start, other.row_start) and np.array_equal(self.row_end, other.row_end)
+                and np.array_equal(self.first_position[live], other.first_position[live])
+                and np.array_equal(self.logit_row, other.logit_row))
+
+    # ------------------------------------------------------------------ derived, in one place
+    @property
+    def count(self) -> int:
+        """R."""
+        return int(self.ids.size)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """[R] int64 rows (new tokens) of each request."""
+        lengths: np.ndarray = self.row_end.astype(np.int64) - self.row_start
+        return lengths
+
+    @property
+    def nonempty(self) -> np.ndarray:
+        """[R] bool: the request owns at least one row."""
+        return self.row_end > self.row_start
+
+    @property
+    def starts(self) -> np.ndarray:
+        """[R] int64 first new position of each request; -1 for empty requests."""
+        starts: np.ndarray = np.where(self.nonempty, self.first_position, -1)
+        return starts
+
+    def owner_in(self, lo: int, count: int) -> np.ndarray:
+        """[count] int32 request owning each of the group rows ``[lo, lo + count)``; -1 on rows no request owns
+        (padding). O(count + R), see :func:`owner_of_rows`."""
+        return owner_of_rows(self.row_start, self.row_end, lo, count)
+
+    def row_request(self, padded_rows: int) -> np.ndarray:
+        """[P] int32 request owning each group row; -1 on padding rows. Derived once per record and P (read-only):
+        the builder and the batch it builds share one array."""
+        owners = self._owners.get(padded_rows)
+        if owners is None:
+            owners = _readonly(self.owner_in(0, padded_rows))
+            self._owners[padded_rows] = owners
+        return owners
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """([K] int64 first row, [K] int64 one past the last row, [K] int64 request) of every non-empty request."""
+        live = self.nonempty
+        return (self.row_start[live].astype(np.int64), self.row_end[live].astype(np.int64),
+                np.flatnonzero(live).astype(np.int64))
+
+    def rows(self, r: int) -> slice:
+        """Group rows of request ``r`` as a slice (a per-request result view reads its rows with it)."""
+        return slice(int(self.row_start[r]), int(self.row_end[r]))
+
+    def __repr__(self) -> str:
+        return f"BatchRequests(R={self.count}, ids={_short(self.ids)}, rows={_short(self.lengths)})"
+
+
+def owner_of_rows(row_start: np.ndarray, row_end: np.ndarray, lo: int, count: int) -> np.ndarray:
+    """[count] int32 request owning each group row ``lo .. lo + count - 1``, -1 where none does: THE row-ownership
+    derivation (``BatchRequests.owner_in`` and :func:`dspark_abi.lowering.lower_local_request_ids` call it).
+
+    row_start / row_end: [R] integer rows of each request, contiguous from row 0 (``query_start_loc`` split).
+    Cost O(count + R): each request's rows are clipped to the window and written as one run (``np.repeat``),
+    instead of testing every row against every request (upstream's O(count * R) nested scan).
+    """
+    hi = lo + count
+    starts, stops = np.asarray(row_start, np.int64), np.asarray(row_end, np.int64)
+    if lo:                          # a window after row 0 (a rank's rows): clip every request to it
+        starts, stops = np.clip(starts, lo, hi), np.clip(stops, lo, hi)
+    owned = np.repeat(np.arange(starts.size, dtype=np.int32), stops - starts)
+    if owned.size >= count:         # from row 0, no padding row in the window
+        return owned[:count]
+    out = np.full(count, -1, dtype=np.int32)
+    out[: owned.size] = owned       # the rows start at 0 and are contiguous: the owned rows lead the window
+    return out
+
+
+def _short(a: Any) -> str:
+    values = np.asarray(a).tolist()
+    return repr(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:8]))}, ...]"
