@@ -115,6 +115,8 @@ def test_commit_advances_by_the_accepted_counts_and_frees_nothing_read_later():
     builder.add_verify(0, num_cached=70, token_ids=[1, 2, 3, 4])
     builder.add(1, num_cached=10, num_new=3, token_ids=[1, 2, 3])
     batch = builder.build()
+    rejected = batch.requests.uncommitted_rows(np.array([2, 3]))
+    assert batch.positions[rejected].tolist() == [72, 73]              # the two rejected drafts of request 0
     builder.commit(batch, accepted=[2, 3])
     assert alloc.cached_tokens(0) == 72 and alloc.cached_tokens(1) == 13
     # every page the committed end still reads and every page of the rejected rows (72, 73) stays mapped
