@@ -170,14 +170,15 @@ def _int_vector(value: Any, lo: int, hi: int) -> tuple[np.ndarray | None, str]:
 
 
 class BatchBuilder:
-    """Collects the requests of one prefill step and builds its metadata.
+    """Collects the requests of one step (prefill chunks and verify requests) and builds its metadata.
 
     ``build()`` plans pages through the allocator (all or nothing), derives slots from tables and
     positions, pads to the TP geometry per policy and validates; it changes no allocator state. After the
-    forward, ``commit(batch)`` advances every request of the step by all its rows (the allocator maps the
-    step's pages and recycles the ring pages out of reach). A batch that is never committed can be dropped:
-    the same step can be built again. For chunked prefill, add the same request id in a later step with
-    ``num_cached`` advanced by the tokens of its earlier, committed chunks; it keeps its tables.
+    forward, ``commit(batch, accepted=None)`` advances every request of the step by its committed rows (all rows
+    of a prefill chunk, the accepted count of a verify request; the allocator maps the step's pages and recycles
+    the ring pages out of reach). A batch that is never committed can be dropped: the same step can be built
+    again. For chunked prefill, add the same request id in a later step with ``num_cached`` advanced by the tokens
+    of its earlier, committed chunks; it keeps its tables. :meth:`add_verify` queues a verify request (spec 5.8).
     """
 
     def __init__(self, config: ModelConfig, policy: PaddingPolicy, allocator: BlockAllocator, *,

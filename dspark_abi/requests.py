@@ -171,6 +171,23 @@ class BatchRequests:
         np.cumsum(counts, out=out[1:])
         return out
 
+    def uncommitted_rows(self, accepted: np.ndarray) -> np.ndarray:
+        """[M] int64 group rows a commit with ``accepted`` [R] rows per request leaves uncommitted (the rejected
+        drafts: rows ``row_start[r] + accepted[r] .. row_end[r] - 1``), request after request. Their cache rows hold
+        content the next step rewrites before any read (spec 5.8.2): a test may plant garbage in every row they
+        wrote (their slots) and check it never reaches an output. O(R + M).
+
+        >>> r = BatchRequests.from_step(np.array([5, 6]), np.array([9, 20]), np.array([4, 2]), "last")
+        >>> r.uncommitted_rows(np.array([1, 2])).tolist()
+        [1, 2, 3]
+        """
+        start = self.row_start.astype(np.int64) + np.asarray(accepted, np.int64)
+        count = np.clip(self.row_end.astype(np.int64) - start, 0, None)
+        owner = np.repeat(np.arange(count.size), count)
+        offset = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        rows: np.ndarray = start[owner] + offset
+        return rows
+
     def owner_in(self, lo: int, count: int) -> np.ndarray:
         """[count] int32 request owning each of the group rows ``[lo, lo + count)``; -1 on rows no request owns
         (padding). O(count + R), see :func:`owner_of_rows`."""

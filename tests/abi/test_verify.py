@@ -8,6 +8,8 @@ import copy
 import attrs
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy, PoolBlocks
 from dspark_abi.errors import ABIError
@@ -113,6 +115,8 @@ def test_commit_advances_by_the_accepted_counts_and_frees_nothing_read_later():
     builder.add_verify(0, num_cached=70, token_ids=[1, 2, 3, 4])
     builder.add(1, num_cached=10, num_new=3, token_ids=[1, 2, 3])
     batch = builder.build()
+    rejected = batch.requests.uncommitted_rows(np.array([2, 3]))
+    assert batch.positions[rejected].tolist() == [72, 73]              # the two rejected drafts of request 0
     builder.commit(batch, accepted=[2, 3])
     assert alloc.cached_tokens(0) == 72 and alloc.cached_tokens(1) == 13
     # every page the committed end still reads and every page of the rejected rows (72, 73) stays mapped
@@ -337,3 +341,58 @@ def test_a_speculative_loop_with_the_incremental_validator_agrees_with_full_vali
                 chunk_of[rid] += a
         for rid, n in (done | chunk_of).items():
             assert alloc.cached_tokens(rid) == n
+
+
+@st.composite
+def _mixed_steps(draw):
+    """(tp, ring mode, prompts, step): verify requests of random widths at random contexts beside prefill chunks."""
+    tp = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    ring = draw(st.sampled_from(["step", "fixed"]))
+    n_verify = draw(st.integers(1, 6))
+    contexts = draw(st.lists(st.integers(1, 3000), min_size=n_verify, max_size=n_verify))
+    widths = draw(st.lists(st.integers(1, K + 1), min_size=n_verify, max_size=n_verify))
+    chunks = draw(st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 40), st.booleans()), max_size=3))
+    order = draw(st.permutations(range(n_verify + len(chunks))))
+    return tp, ring, contexts, widths, chunks, order
+
+
+@given(_mixed_steps())
+@settings(max_examples=40, deadline=None)
+def test_any_mixed_step_is_valid_and_its_record_is_the_arrays_record(case):
+    """Any mix of verify requests and chunks, in any order, on any TP size and ring mode: the batch validates
+    (stateless and incremental), its logit rows are the intent's, the record derived from the arrays equals the
+    builder's, ring tables hold the headroom, and a rectangle round trip of its verify part is exact."""
+    from dspark_abi import validate
+    from dspark_abi.incremental import StepValidator
+
+    tp, ring, contexts, widths, chunks, order = case
+    policy = PaddingPolicy(tp_size=tp)
+    from dspark_abi.allocator import pool_blocks_for
+    ends = [c + w for c, w in zip(contexts, widths, strict=True)] + [at + n for at, n, _ in chunks]
+    alloc = BlockAllocator(CONFIG, pool_blocks_for(CONFIG, ends, slack=64))
+    builder = BatchBuilder(CONFIG, policy, alloc, ring_width=ring)
+    for rid, ctx in enumerate(contexts):
+        builder.add(rid, 0, ctx)
+    builder.commit(builder.build(logit_rows=None))
+    entries = [("verify", rid, ctx, w) for rid, (ctx, w) in enumerate(zip(contexts, widths, strict=True))]
+    entries += [("chunk", 100 + i, at, n, last) for i, (at, n, last) in enumerate(chunks)]
+    for k in order:
+        e = entries[k]
+        if e[0] == "verify":
+            builder.add_verify(e[1], e[2], [(e[1] + j) % 97 for j in range(e[3])])
+        else:
+            builder.add(e[1], e[2], e[3], token_ids=[j % 97 for j in range(e[3])],
+                        logits="last" if e[4] else "none")
+    batch = builder.build()
+    assert validate(batch).ok
+    assert StepValidator(CONFIG, policy, alloc.pool_blocks).validate(batch).ok
+    req = batch.requests
+    assert np.array_equal(batch.logit_rows, implied_logit_rows(req.row_start, req.row_end, req.logit_mode))
+    again = PackedBatch.from_arrays(batch.to_arrays(), CONFIG, policy, batch.pool_blocks).requests
+    for name in ("verify_width", "logit_mode", "logit_row", "row_start", "row_end", "ids"):
+        assert np.array_equal(getattr(again, name), getattr(req, name)), name
+    widest = int(req.verify_width.max())
+    for pl in CONFIG.layout:
+        assert batch.tables[pl.name].shape[1] >= verify_headroom(pl, widest)
+    lo, hi = req.logit_row_ranges
+    assert np.array_equal(hi - lo, np.where(req.is_verify, req.lengths, req.logit_mode.astype(np.int64)))
