@@ -25,8 +25,8 @@ import numpy as np
 
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, Issue, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
-from dspark_kernels.model.accept import Acceptance, accept_greedy, greedy_matrix
-from dspark_kernels.model.backends import Backend, backend_issues
+from dspark_kernels.model.accept import Acceptance, greedy_matrix
+from dspark_kernels.model.backends import Backend, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
 from dspark_kernels.model.weights import ModelWeights
@@ -203,8 +203,13 @@ class _Runner:
     weights: ModelWeights
     caches: ModelCaches
     mode: TpMode
-    backend: Backend
+    backend: BackendName
     precision: str
+    stages: Backend = attrs.field(init=False)
+    """The backend's stages (its acceptance stage runs after each forward)."""
+
+    def __attrs_post_init__(self) -> None:
+        self.stages = resolve_backend(self.backend, self.precision)
 
     def forward(self, batch: PackedBatch) -> _Forward:
         """The forward of ``batch`` at its own logit rows; ``caches`` hold its writes afterwards."""
@@ -232,7 +237,7 @@ class _Runner:
 
 
 def _runner(config: ModelConfig, weights: ModelWeights, caches: ModelCaches | None, allocator: BlockAllocator | None,
-            lengths: Sequence[int], tp_mode: TpMode, backend: Backend, precision: str, slack: int
+            lengths: Sequence[int], tp_mode: TpMode, backend: BackendName, precision: str, slack: int
             ) -> tuple[_Runner, BlockAllocator]:
     issues = backend_issues(backend, precision) if precision in PRECISIONS else [
         Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS), actual=repr(precision))]
@@ -278,7 +283,7 @@ def _prompts(prompts: Sequence[Sequence[int] | np.ndarray], cached: Sequence[int
 # ---------------------------------------------------------------------------------------------- loops
 def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeights, drafter: Drafter,
              max_new_tokens: int, K: int, *, tp: int = 1, tp_mode: TpMode = "single",
-             backend: Backend = "reference", precision: str = "fp32", prefill_chunk: int = 16,
+             backend: BackendName = "reference", precision: str = "fp32", prefill_chunk: int = 16,
              cached: Sequence[int] | None = None,
              allocator: BlockAllocator | None = None, caches: ModelCaches | None = None, slack: int = 8,
              on_step: Callable[[StepRecord, ModelCaches], None] | None = None) -> GenerateResult:
@@ -334,7 +339,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
         starts = np.asarray(batch.query_start_loc[:-1], dtype=np.int64)
         width = np.array([ids.size for ids in verify_inputs], np.int64)
         v_starts = np.array([starts[order[i]] for i in live], np.int64)
-        outcome = _accept(verify_inputs, width, sampled, logit_rows, v_starts, batch.padded_rows)
+        outcome = _accept(runner.stages, verify_inputs, width, sampled, logit_rows, v_starts, batch.padded_rows)
         accepted = np.array([chunks.get(int(r), 0) for r in batch.requests.ids], np.int64)
         accepted[[order[i] for i in live]] = outcome.accepted
         builder.commit(batch, accepted=accepted)
@@ -364,20 +369,20 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                           accepted_lengths=lengths, steps=steps, caches=runner.caches, allocator=alloc)
 
 
-def _accept(inputs: list[np.ndarray], widths: np.ndarray, sampled: np.ndarray, logit_rows: np.ndarray,
-            starts: np.ndarray, padded_rows: int) -> Acceptance:
-    """The acceptance stage over the step's verify requests (padded [R, max width] inputs)."""
+def _accept(stage: Backend, inputs: list[np.ndarray], widths: np.ndarray, sampled: np.ndarray,
+            logit_rows: np.ndarray, starts: np.ndarray, padded_rows: int) -> Acceptance:
+    """The backend's acceptance stage over the step's verify requests (padded [R, max width] inputs)."""
     if not inputs:
         empty = np.zeros(0, np.int64)
         return Acceptance(accepted=empty, matched=empty, bonus=empty)
     padded = np.full((len(inputs), int(widths.max())), -1, np.int64)
     padded[np.arange(padded.shape[1])[None, :] < widths[:, None]] = np.concatenate(inputs)
     greedy = greedy_matrix(sampled, logit_rows, starts, widths, padded_rows)
-    return accept_greedy(padded, greedy, widths)
+    return stage.accept(padded, greedy, widths)
 
 
 def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeights, max_new_tokens: int, *,
-                  tp: int = 1, tp_mode: TpMode = "single", backend: Backend = "reference",
+                  tp: int = 1, tp_mode: TpMode = "single", backend: BackendName = "reference",
                   precision: str = "fp32",
                   cached: Sequence[int] | None = None, allocator: BlockAllocator | None = None,
                   caches: ModelCaches | None = None, slack: int = 8) -> GenerateResult:

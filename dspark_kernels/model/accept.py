@@ -9,8 +9,8 @@ drafts); it generates ``d_1 .. d_m`` and the bonus ``g_m``, the target's own cho
 (the next step's anchor). Greedy speculative decoding therefore yields exactly the tokens of plain greedy decoding.
 
 Only greedy acceptance is implemented: temperature sampling (rejection sampling against the draft distribution)
-is out of scope. Integer work on ids the backend already sampled, vectorized over requests: both backends run
-this same stage.
+is out of scope. Integer work on ids the backend already sampled, vectorized over requests: both backends'
+``Backend.accept`` run this same stage (:mod:`dspark_kernels.model.backends`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_kernels.model.accept import Acceptance
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.numerics import Precision, narrow
@@ -181,6 +182,11 @@ class Backend(Protocol):
 
     def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """[M] int64 first-maximum token of every row, -1 where ``rows`` is -1."""
+        ...
+
+    def accept(self, tokens: np.ndarray, greedy: np.ndarray, widths: np.ndarray) -> Acceptance:
+        """Greedy acceptance of R verify requests: tokens [R, W] inputs ``[anchor, d_1 ..]``, greedy [R, W] the
+        greedy ids at their rows, widths [R] (:func:`dspark_kernels.model.accept.accept_greedy`)."""
         ...
 
 

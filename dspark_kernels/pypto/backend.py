@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import Issue, ModelConfig, PackedBatch
+from dspark_kernels.model.accept import Acceptance, accept_greedy
 from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
 from dspark_kernels.model.backends import HcMix
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
@@ -118,6 +119,11 @@ class PyptoBackend:
     def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """The reference's ``greedy``: [M] int64 first-maximum ids, -1 on inactive rows."""
         return self._run(_greedy, logits, rows)
+
+    def accept(self, tokens: np.ndarray, greedy: np.ndarray, widths: np.ndarray) -> Acceptance:
+        """The shared acceptance stage (:func:`~dspark_kernels.model.accept.accept_greedy`): integer work on
+        the ids ``greedy`` returned, on the host (no kernel)."""
+        return accept_greedy(tokens, greedy, widths)
 
     def _run(self, func: Callable[..., T], *args: object) -> T:
         return run_isolated(func, *args) if self.isolate else func(*args)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dspark_abi import Issue, ModelConfig, PackedBatch
+from dspark_kernels.model.accept import Acceptance, accept_greedy
 from dspark_kernels.model.backends import HcMix
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
@@ -73,3 +74,7 @@ class ReferenceBackend:
     def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """:func:`~dspark_kernels.reference.head.greedy`."""
         return head.greedy(logits, rows)
+
+    def accept(self, tokens: np.ndarray, greedy: np.ndarray, widths: np.ndarray) -> Acceptance:
+        """:func:`~dspark_kernels.model.accept.accept_greedy`."""
+        return accept_greedy(tokens, greedy, widths)
