@@ -14,15 +14,14 @@ import numpy as np
 
 from dspark_abi import ABIError, Issue, PackedBatch
 from dspark_abi.rules import padding_hidden_issues, padding_token_issues
-from dspark_kernels.model.backends import BACKENDS, Backend, backend_issues, resolve_backend
-from dspark_kernels.model.caches import POOLS_BY_KIND, ModelCaches
+from dspark_kernels.model.backends import BACKENDS, BackendName, backend_issues, resolve_backend
+from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardResult, run_forward
 from dspark_kernels.model.numerics import PRECISIONS
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.pypto.index_guard import index_range_issues
 
-__all__ = ["BACKENDS", "Backend", "PrefillResult", "RequestOutput", "prefill"]
+__all__ = ["BACKENDS", "BackendName", "PrefillResult", "RequestOutput", "prefill"]
 
 
 @attrs.frozen(eq=False)
@@ -86,7 +85,7 @@ class PrefillResult:
 
 
 def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
-            backend: Backend = "reference", precision: str = "fp32", layers: Sequence[int] | None = None,
+            backend: BackendName = "reference", precision: str = "fp32", layers: Sequence[int] | None = None,
             logit_rows: Sequence[int] | np.ndarray | None = None, prepared: PreparedWeightsCache | None = None,
             on_layer: Callable[[int, int], None] | None = None) -> PrefillResult:
     """Run a packed prefill of ``batch`` for the whole TP group on one process.
@@ -111,6 +110,7 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
                             actual=repr(precision)))
     elif backend in BACKENDS:
         issues += backend_issues(backend, precision)  # a precision the backend cannot compute
+    resolved = None if backend_issues(backend, precision) else resolve_backend(backend, precision)
     run, layer_issues = _layers(batch, layers)
     issues += layer_issues
     if isinstance(batch, PackedBatch) and run is not None:
@@ -120,16 +120,15 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
                                 expected="ModelCaches", actual=type(caches).__name__))
         elif precision in PRECISIONS:
             issues += caches.issues_for(batch, precision, run)
-        if backend == "pypto":
-            issues += _pypto_index_issues(batch, run)
-    if issues or run is None:
+        if resolved is not None:
+            issues += resolved.batch_issues(batch, run)  # e.g. the pypto kernels' fp32 index range
+    if issues or run is None or resolved is None:
         raise ABIError(issues)
-    attention = resolve_backend(backend, precision)
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
         result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=run,
-                                            logit_rows=logit_rows, on_layer=on_layer, attention=attention,
-                                            prepared=prepared)
+                                            logit_rows=logit_rows, on_layer=on_layer, backend=resolved,
+                                            prepared=prepared, caches_checked=True)
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
@@ -159,22 +158,6 @@ def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int]
         return None, [Issue("config.mismatch", "layers", "layers must be distinct indices of the config's schedule",
                             expected=f"distinct values in [0, {n})", actual=run)]
     return run, []
-
-
-def _pypto_index_issues(batch: PackedBatch, run: list[int]) -> list[Issue]:
-    """``kernel.index_range`` issues of the pypto kernels' fp32 indices over ``run``: every table the layers
-    read (R * its column count), every block of its pool (blocks * page_size, not only the blocks mapped now, so
-    a geometry fails on its first call) and the positions."""
-    cfg = batch.config
-    issues = []
-    top = int(batch.positions.max(initial=0))
-    for pool in sorted({p for i in run for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
-        pl = cfg.layout.pools[pool]
-        issues += index_range_issues(f"{pool}_block_table", requests=batch.num_requests,
-                                     width=batch.tables[pool].shape[1], page=pl.page_size,
-                                     max_block=batch.pool_blocks[pool] - 1, max_position=top, ring=pl.is_ring)
-    return issues + index_range_issues("positions", requests=0, width=1, page=1, max_block=-1,
-                                       max_position=int(batch.positions.max(initial=0)))
 
 
 def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backend: str) -> list[Issue]:
@@ -225,3 +208,14 @@ def _snapshot_written_rows(batch: PackedBatch, caches: ModelCaches, layers: list
 def _restore(caches: ModelCaches, saved: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
     for array, rows, values in saved:
         array[rows] = values
+
+
+def __getattr__(name: str) -> object:
+    """``Backend`` (deprecated for one minor version): the backend-name literal, now :data:`BackendName` (the model
+    layer's ``Backend`` is the backend protocol)."""
+    if name == "Backend":
+        import warnings
+
+        warnings.warn("dspark_kernels.api.Backend is deprecated: use BackendName", DeprecationWarning, stacklevel=2)
+        return BackendName
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

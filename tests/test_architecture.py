@@ -17,7 +17,7 @@ from dspark_abi.presets import TINY
 PACKAGE = Path(dspark_kernels.__file__).parent
 #: The prefill attention stages: one module of this name in each backend.
 STAGES = {"lowering", "projections", "paged", "window", "compressor", "indexer", "entry_rows", "sparse_attention",
-          "o_proj", "attention"}
+          "o_proj", "attention", "backend"}
 #: Modules of a backend that are not stages.
 HELPERS = {"reference": {"__init__", "tiling"},
            "pypto": {"__init__", "_ops", "runtime", "isolate", "index_guard", "errors"}}
@@ -95,6 +95,59 @@ def test_no_kernel_module_rederives_row_ownership_or_visibility():
                 assert not plus_one, (where, ast.unparse(node))
 
 
+# ---------------------------------------------------------------------------------------------- the backends
+def _protocol_methods(protocol: type) -> list[str]:
+    return sorted(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_"))
+
+
+@pytest.mark.parametrize("protocol_name, classes", [
+    ("Backend", [("dspark_kernels.reference.backend", "ReferenceBackend"),
+                 ("dspark_kernels.pypto.backend", "PyptoBackend")]),
+    ("AttentionStages", [("dspark_kernels.reference.attention", "ReferenceStages"),
+                         ("dspark_kernels.pypto.attention", "PyptoStages")]),
+])
+def test_both_backends_implement_every_stage_with_the_protocols_signature(protocol_name, classes):
+    import importlib
+    import inspect
+
+    from dspark_kernels.model import backends
+
+    protocol = getattr(backends, protocol_name)
+    methods = _protocol_methods(protocol)
+    assert methods, protocol_name
+    for module, name in classes:
+        cls = getattr(importlib.import_module(module), name)
+        for method in methods:  # identical parameters, defaults and annotations
+            assert inspect.signature(getattr(cls, method)) == inspect.signature(getattr(protocol, method)), \
+                (name, method)
+    if protocol_name == "AttentionStages":
+        assert all(isinstance(getattr(importlib.import_module(m), n).query_block, int) for m, n in classes)
+
+
+def test_the_registry_resolves_every_backend_by_name():
+    from dspark_kernels.model.backends import BACKENDS, REGISTRY, resolve_backend
+
+    assert tuple(REGISTRY) == BACKENDS
+    for name in BACKENDS:
+        backend = resolve_backend(name, "a2a3")
+        assert type(backend).__name__ == REGISTRY[name][1]
+        assert type(backend).__module__ == REGISTRY[name][0]
+
+
+def test_one_attention_orchestrator():
+    """Only the model layer's ``run_attention`` calls the stages in order: no backend module calls two KV-side
+    stages in one function (the hand-written orchestrators are gone)."""
+    kv_side = {"shared_kv", "run_shared_kv", "compress", "compress_into", "compress_index_keys"}
+    query_side = {"sparse_attention", "run_sparse_attention"}
+    for path, tree in _sources():
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            called = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+                      for c in ast.walk(func) if isinstance(c, ast.Call)}
+            both = bool(called & kv_side) and bool(called & query_side)
+            assert not both or (path.name, func.name) == ("backends.py", "run_attention") or \
+                (path.name, func.name) == ("backends.py", "_query_block"), (path.relative_to(PACKAGE), func.name)
+
+
 # ---------------------------------------------------------------------------------------------- the plan
 def _batch(tp: int):
     builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), BlockAllocator(TINY, PoolBlocks.uniform(256)))
@@ -155,22 +208,50 @@ def test_a_forward_builds_one_plan_and_prepares_each_layer_once(monkeypatch):
     assert len(plans) == 2 and prepares == list(range(TINY.num_layers))  # the caller's cache is reused
 
 
-def test_pypto_backend_lowers_request_ids_once_per_plan(monkeypatch):
+@pytest.mark.parametrize("tp", [1, 4])
+def test_plan_lookups_are_the_stage_lookups(tp):
+    """The table lookups every layer reads (window rows, visible entry rows, compressor windows) are the plan's,
+    equal to what the stages compute on bare arrays."""
+    from dspark_kernels.model.geometry import window_state_rows
     from dspark_kernels.model.plan import BatchPlan
-    from dspark_kernels.pypto import attention as pypto_attention
+    from dspark_kernels.reference.entry_rows import visible_entry_rows
+    from dspark_kernels.reference.window import window_rows
 
-    seen = []
+    batch = _batch(tp)
+    pools, tables = TINY.layout.pools, batch.tables
+    for rank in [None, *range(tp)]:
+        plan = BatchPlan.build(batch, rank=rank)
+        q = plan.query_rows
+        pos, req = batch.positions[q], batch.row_request[q]
+        np.testing.assert_array_equal(plan.window, window_rows(pos, req, tables["ori"], TINY.sliding_window))
+        for pool, ratio in (("idx", 4), ("hca_cmp", 128)):
+            want = visible_entry_rows(np.where(req >= 0, visible_entries(pos, ratio), 0), req, tables[pool])
+            np.testing.assert_array_equal(plan.entry_rows[pool], want)
+            np.testing.assert_array_equal(plan.entry_rows_in(pool, plan.row_start, plan.row_stop), want)
+        for pool, ratio in (("csa_state", 4), ("csa_inner_state", 4), ("hca_state", 128)):
+            b, rows = window_state_rows(batch.positions, batch.row_request, tables[pool], ratio,
+                                        pools[pool].page_size)
+            np.testing.assert_array_equal(plan.state_windows[pool].boundaries, b)
+            np.testing.assert_array_equal(plan.state_windows[pool].rows, rows)
 
-    def fake(plan, layer, x, weights, caches, ids):  # stands in for the kernels (no pypto needed)
-        seen.append(ids)
-        return np.zeros((plan.row_stop - plan.row_start, 1), np.float32), plan.query_request.copy()
 
-    monkeypatch.setattr(pypto_attention, "_attention_in_process", fake)
-    backend = pypto_attention.PyptoAttention(isolate=False)
-    weights = type("W", (), {"precision": "a2a3"})()
-    batch = _batch(2)
-    plans = [BatchPlan.build(batch, rank=r, precision="a2a3") for r in (0, 1)]
-    for layer in range(3):
-        for plan in plans:
-            backend(plan, layer, None, weights, None)
-    assert seen[:2] == [None, None] and all(ids is not None for ids in seen[2:])
+def test_no_kernel_module_keys_state_by_object_identity():
+    """Per-plan state belongs to the plan: no module keeps a dict keyed by ``id(...)``."""
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id != "id", (path.relative_to(PACKAGE), ast.unparse(node))
+
+
+def test_a_prefill_checks_its_caches_once(monkeypatch):
+    from dspark_kernels.api import prefill
+    from dspark_kernels.model.caches import ModelCaches
+    from dspark_kernels.model.weights import ModelWeights
+
+    batch = _batch(1)
+    calls = []
+    check = ModelCaches.issues_for
+    monkeypatch.setattr(ModelCaches, "issues_for", lambda self, *a: calls.append(1) or check(self, *a))
+    prefill(batch, np.full(batch.padded_rows, batch.policy.pad_token_id, np.int64), ModelWeights.random(TINY, 0),
+            ModelCaches.allocate(TINY, batch.pool_blocks), layers=[0])
+    assert len(calls) == 1

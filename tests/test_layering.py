@@ -1,5 +1,6 @@
 """The layering contracts of pyproject.toml [tool.importlinter] hold (the ABI never imports the kernels, the
-reference never imports torch or pypto, pypto never imports the reference directly, nothing imports a CLI)."""
+reference never imports torch or pypto, pypto never imports the reference, directly or through another module,
+the model layer and the API import neither backend, nothing imports a CLI)."""
 
 import subprocess
 import sys

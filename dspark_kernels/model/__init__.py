@@ -8,7 +8,8 @@ checkpoints written in those formats for tests), ``experts`` (routed-expert grou
 ``prepared`` (the weights each precision computes with, and the caller-owned cache of them), ``numerics``,
 ``deepseek_numerics`` (the official inference's fake quantisers), ``rope`` and
 ``geometry`` (numeric building blocks, RoPE tables, compression geometry), ``checks`` (input checks before any
-cache is touched), ``backends`` (the :class:`~dspark_kernels.model.backends.AttentionBackend` protocol),
+cache is touched), ``backends`` (the :class:`~dspark_kernels.model.backends.Backend` protocol, the
+one attention orchestrator and the registry of backends by name),
 ``layer``, ``forward`` and ``tp`` (one layer, the forward, the TP group).
 
 The package imports none of its modules: import the one you need.

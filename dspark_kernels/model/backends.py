@@ -1,168 +1,241 @@
-"""The attention backends a forward runs its layers' attention with: the protocol and resolution by name.
+"""The backends a forward runs with: the :class:`Backend` protocol (every stage a layer and the head run), the
+:class:`AttentionStages` protocol (the attention module's stages, which :func:`run_attention`, the one
+orchestrator, drives) and the registry that resolves a backend's name without importing it here.
 
-A backend may also bring the layer's hyper-connection stages (:class:`HyperConnectionStages`: ``hc_pre`` with the
-sub-block's RMSNorm fused, and ``hc_post``, the pypto backend's kernels) and the head's (:class:`HeadStages`:
-``hc_head``, ``final_hidden``, ``logits_for_rows``, ``greedy``) and the MoE FFN (:class:`MoEStage`); a backend
-without them runs the numpy reference's (:func:`hc_stages`, :func:`head_stages`, :func:`moe_stage`).
+=============  ========================================================  ==========================================
+name           backend (resolved by module path, imported when resolved)  precisions
+=============  ========================================================  ==========================================
+``reference``  :class:`dspark_kernels.reference.backend.ReferenceBackend`  ``fp32``, ``a2a3``, ``deepseek``
+``pypto``      :class:`dspark_kernels.pypto.backend.PyptoBackend`          ``a2a3`` (the numerics its kernels implement)
+=============  ========================================================  ==========================================
 
-=============  ==============================================  ==========================================
-name           backend                                         precisions
-=============  ==============================================  ==========================================
-``reference``  :func:`dspark_kernels.reference.attention.attend`  ``fp32``, ``a2a3``, ``deepseek``
-``pypto``      :class:`dspark_kernels.pypto.PyptoAttention`    ``a2a3`` (the numerics its kernels implement)
-=============  ==============================================  ==========================================
+Both backends implement every stage of both protocols with the same signatures (a test pins it); neither is
+imported by the model layer, which reaches them only through :func:`resolve_backend`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, runtime_checkable
+import importlib
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
 
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, Issue, ModelConfig
+from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
-from dspark_kernels.model.numerics import Precision, narrow, rms_norm
+from dspark_kernels.model.numerics import Precision, narrow
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeights
 
-Backend = Literal["reference", "pypto"]
+BackendName = Literal["reference", "pypto"]
 #: The backend names, in the order help texts list them.
-BACKENDS: tuple[Backend, ...] = ("reference", "pypto")
+BACKENDS: tuple[BackendName, ...] = ("reference", "pypto")
 #: The precision the pypto kernels compute.
 PYPTO_PRECISION: Precision = "a2a3"
+#: Where the registry finds each backend: (module path, class), imported only when the name is resolved.
+REGISTRY: dict[str, tuple[str, str]] = {"reference": ("dspark_kernels.reference.backend", "ReferenceBackend"),
+                                        "pypto": ("dspark_kernels.pypto.backend", "PyptoBackend")}
 
 
-class AttentionBackend(Protocol):
-    """One layer's attention over a plan's batch: ``(plan, layer, x, weights, caches) -> out``.
-
-    plan: the batch's :class:`BatchPlan` (its ``precision`` is the one ``weights`` were prepared in).
-    x: [P, hidden] float32 post-attn_norm rows of all group rows (padding rows zero). weights: the layer's
-    :class:`PreparedWeights`. caches: the layer's :class:`LayerCaches`, **written in place** (every group row's
-    writes). Returns [rows, hidden] float32 for the plan's query rows (zero on padding rows). The inputs are
-    checked by the caller (:func:`dspark_kernels.model.checks.check_attention_inputs` or the forward's checks).
-    """
-
-    def __call__(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
-                 caches: LayerCaches, /) -> np.ndarray: ...
-
-
-@runtime_checkable
-class HyperConnectionStages(Protocol):
-    """A backend's hyper-connection stages, with the reference's signatures
-    (:func:`dspark_kernels.reference.hyper_connections.hc_pre` / ``hc_post``): ``hc_pre(x_hc, weights, config,
-    precision=..., norm=None)`` returns an object with ``x_mixed`` [T, D], ``post`` [T, hc] and ``comb``
-    [T, hc, hc], and with ``norm`` [D] (the sub-block's ``attn_norm`` / ``ffn_norm``) also ``x_normed`` [T, D] =
-    ``narrow(rms_norm(x_mixed, norm, rms_norm_eps), precision)``, the sub-block's input (a backend fuses it);
-    ``hc_post(out, x_hc, post, comb, precision=...)`` returns [T, hc, D] fp32."""
-
-    def hc_pre(self, x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision,
-               norm: np.ndarray | None = None) -> Any: ...
-
-    def hc_post(self, out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray, *,
-                precision: Precision) -> np.ndarray: ...
-
-
-def hc_stages(attention: object) -> tuple[Any, Any]:
-    """(hc_pre, hc_post) a layer runs with this attention backend: its own when it has them, else the reference's
-    (hc_pre with the numpy RMSNorm of :func:`reference_hc_pre`)."""
-    if isinstance(attention, HyperConnectionStages):
-        return attention.hc_pre, attention.hc_post
-    from dspark_kernels.reference.hyper_connections import hc_post
-
-    return reference_hc_pre, hc_post
-
-
+# ---------------------------------------------------------------------------------------------- stage values
 @attrs.frozen(eq=False)
-class NormedHcPre:
-    """hc_pre's outputs (the reference's ``HcPre`` fields) and the sub-block's input: x_mixed [T, D], post
-    [T, hc], comb [T, hc, hc] fp32; x_normed [T, D] fp32, ``narrow(rms_norm(x_mixed, norm), precision)``."""
+class HcMix:
+    """hc_pre's outputs: x_mixed [T, D] fp32 (bf16 values in a2a3), post [T, hc] and comb [T, hc, hc] fp32; and
+    x_normed [T, D] fp32, ``narrow(rms_norm(x_mixed, norm, rms_norm_eps), precision)``, the sub-block's input,
+    when hc_pre was given the sub-block's ``norm`` (a backend may fuse it), else None."""
 
     x_mixed: np.ndarray
     post: np.ndarray
     comb: np.ndarray
-    x_normed: np.ndarray
+    x_normed: np.ndarray | None = None
 
 
-def reference_hc_pre(x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision,
-                     norm: np.ndarray | None = None) -> Any:
-    """The reference's ``hc_pre`` and, with ``norm``, the sub-block's RMSNorm after it (:class:`NormedHcPre`)."""
-    from dspark_kernels.reference.hyper_connections import hc_pre
+@attrs.frozen(eq=False)
+class QueryPath:
+    """The q path of T query rows: ``q`` [T, H, D] float32 roped attention queries (bf16 values in a2a3), and
+    ``low_rank``, what the backend's lightning indexer reads of the normalised low-rank query (the backend's own
+    value: the reference's ``LowRankQuery``, the pypto kernels' int8 rows and scales)."""
 
-    pre = hc_pre(x_hc, weights, config, precision=precision)
-    if norm is None:
-        return pre
-    x_normed = narrow(rms_norm(pre.x_mixed, norm, config.rms_norm_eps), precision)
-    return NormedHcPre(x_mixed=pre.x_mixed, post=pre.post, comb=pre.comb, x_normed=x_normed)
+    q: np.ndarray
+    low_rank: Any
 
 
-@runtime_checkable
-class HeadStages(Protocol):
-    """A backend's head stages, with the reference's signatures: ``hc_head``
-    (:func:`dspark_kernels.reference.hyper_connections.hc_head`, also the DSpark target features),
-    ``final_hidden``, ``logits_for_rows`` and ``greedy`` (:mod:`dspark_kernels.reference.head`)."""
+@attrs.frozen(eq=False)
+class KeyRows:
+    """The keys T query rows attend to: ``window`` [T, W] int64 ``ori`` rows (the plan's), ``compressed``
+    [T, K] int64 rows of the ``pool`` compressed pool (``csa_cmp`` or ``hca_cmp``; K may be 0) or None with
+    ``pool`` None on SWA layers; -1 = no key."""
 
-    def hc_head(self, x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision
-                ) -> np.ndarray: ...
-
-    def final_hidden(self, x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision
-                     ) -> np.ndarray: ...
-
-    def logits_for_rows(self, x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray: ...
-
-    def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray: ...
+    window: np.ndarray
+    compressed: np.ndarray | None = None
+    pool: str | None = None
 
 
-def head_stages(attention: object) -> HeadStages:
-    """The head stages a forward runs with this attention backend: its own when it has them, else the reference's."""
-    return attention if isinstance(attention, HeadStages) else ReferenceHead()
+# ---------------------------------------------------------------------------------------------- protocols
+class AttentionStages(Protocol):
+    """The stages of one attention layer that :func:`run_attention` drives (in the order it calls them).
+
+    Every stage reads the batch's :class:`BatchPlan` (rows, positions, ownership and table lookups) instead of
+    deriving them. x: [P, hidden] float32 post-attn_norm rows, already narrowed to the plan's precision.
+    rows: a slice of group query rows ``[lo, hi)`` (one query block). weights: the layer's
+    :class:`PreparedWeights` in the plan's precision; caches: its :class:`LayerCaches`, written in place.
+    ``query_block``: query rows per block (bounds the [rows, H*D] intermediates); 0 = all query rows at once.
+    """
+
+    query_block: int
+
+    def shared_kv(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                  caches: LayerCaches) -> None:
+        """KV side, all P rows: the shared kv rows, written to ``ori`` through its slot mapping."""
+        ...
+
+    def compress(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                 caches: LayerCaches) -> None:
+        """KV side, CSA / HCA: the layer's compressor (state ring, then the new entries of ``{kind}_cmp``)."""
+        ...
+
+    def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                            caches: LayerCaches) -> None:
+        """KV side, CSA: the lightning indexer's key compressor (inner state ring, then ``idx`` / ``idx_scale``)."""
+        ...
+
+    def query(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, weights: PreparedWeights
+              ) -> QueryPath:
+        """The q path of query rows ``rows``."""
+        ...
+
+    def index_topk(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, query: QueryPath,
+                   weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+        """CSA: [T, topk] int32 logical ``csa_cmp`` entries the lightning indexer chose (-1 = none)."""
+        ...
+
+    def chosen_entry_rows(self, plan: BatchPlan, rows: slice, entries: np.ndarray) -> np.ndarray:
+        """CSA: [T, K] int physical ``csa_cmp`` rows of the chosen logical entries [T, K] (-1 = none)."""
+        ...
+
+    def sparse_attention(self, plan: BatchPlan, layer: int, rows: slice, query: QueryPath, keys: KeyRows,
+                         weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+        """[T, H, D] float32 attention core over ``keys`` with the sink and inverse RoPE."""
+        ...
+
+    def output_projection(self, plan: BatchPlan, o: np.ndarray, weights: PreparedWeights) -> np.ndarray:
+        """[T, hidden] float32 grouped o_proj of o [T, H*D]."""
+        ...
 
 
-class ReferenceHead:
-    """The numpy reference's head stages (:class:`HeadStages`), imported when called."""
+class Backend(Protocol):
+    """Every stage a layer and the head run (:func:`~dspark_kernels.model.layer.run_layer`,
+    :func:`~dspark_kernels.model.forward.run_forward`), one signature each.
 
-    def hc_head(self, x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision) -> np.ndarray:
-        from dspark_kernels.reference.hyper_connections import hc_head
+    ``attention(plan, layer, x, weights, caches)``: x [P, hidden] float32 post-attn_norm rows (padding rows
+    zero), weights prepared in ``plan.precision``, caches written in place (every group row's writes); returns
+    [rows, hidden] float32 for the plan's query rows (zero on padding rows). Both backends run it with
+    :func:`run_attention` over their :class:`AttentionStages`.
+    """
 
-        return hc_head(x_hc, weights, config, precision=precision)
+    def batch_issues(self, batch: PackedBatch, layers: Sequence[int]) -> list[Issue]:
+        """Issues of a valid batch this backend cannot compute over ``layers`` (checked before anything runs)."""
+        ...
 
-    def final_hidden(self, x_hc: np.ndarray, weights: Any, config: ModelConfig, *, precision: Precision
+    def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision,
+               norm: np.ndarray | None = None) -> HcMix:
+        """x_hc [T, hc, D] -> :class:`HcMix`; with ``norm`` [D] also the sub-block's normed input."""
+        ...
+
+    def attention(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                  caches: LayerCaches) -> np.ndarray:
+        ...
+
+    def hc_post(self, out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray, *,
+                precision: Precision) -> np.ndarray:
+        """[T, hc, D] float32 streams after the sub-block: out [T, D], x_hc [T, hc, D], post [T, hc], comb."""
+        ...
+
+    def moe(self, x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np.ndarray | None = None,
+            token_ids: np.ndarray | None = None, live: np.ndarray | None = None, precision: Precision
+            ) -> np.ndarray:
+        """[T, D] float32 MoE FFN of hc_pre's x_mixed rows x [T, D]; ``norm`` the layer's ffn_norm (applied here),
+        token_ids [T] (hash layers), live [T] bool (padding rows skipped, zero output)."""
+        ...
+
+    def hc_head(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision
+                ) -> np.ndarray:
+        """[T, D] float32 model-level hc_head of the streams x_hc [T, hc, D]."""
+        ...
+
+    def stream_mean(self, x_hc: np.ndarray, *, precision: Precision) -> np.ndarray:
+        """[T, D] float32 plain mean of the streams x_hc [T, hc, D] (the DSpark target features)."""
+        ...
+
+    def final_hidden(self, x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *, precision: Precision
                      ) -> np.ndarray:
-        from dspark_kernels.reference.head import final_hidden
-
-        return final_hidden(x_hc, weights, config, precision=precision)
+        """[T, D] float32 ``rms_norm(hc_head(x_hc), norm)``."""
+        ...
 
     def logits_for_rows(self, x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
-        from dspark_kernels.reference.head import logits_for_rows
-
-        return logits_for_rows(x_out, rows, head_w)
+        """[M, V] float32 logits of group rows ``rows`` [M] (-1 = inactive, zero row); head_w [V, D]."""
+        ...
 
     def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        from dspark_kernels.reference.head import greedy
-
-        return greedy(logits, rows)
-
-
-@runtime_checkable
-class MoEStage(Protocol):
-    """A backend's MoE FFN, with the reference's signature (:func:`dspark_kernels.reference.moe.moe`):
-    ``moe(x, weights, config, norm=..., token_ids=..., live=..., precision=...)`` -> [T, D] fp32, where x holds
-    hc_pre's ``x_mixed`` rows and ``norm`` the layer's ``ffn_norm`` (the stage applies the RMSNorm itself)."""
-
-    def moe(self, x: np.ndarray, weights: Any, config: ModelConfig, *, norm: np.ndarray | None = None,
-            token_ids: np.ndarray | None = None, live: np.ndarray | None = None, precision: Precision
-            ) -> np.ndarray: ...
+        """[M] int64 first-maximum token of every row, -1 where ``rows`` is -1."""
+        ...
 
 
-def moe_stage(attention: object) -> Any:
-    """The MoE FFN a layer runs with this attention backend: its own when it has one, else the reference's."""
-    if isinstance(attention, MoEStage):
-        return attention.moe
-    from dspark_kernels.reference.moe import moe
+# ---------------------------------------------------------------------------------------------- the orchestrator
+def run_attention(stages: AttentionStages, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                  caches: LayerCaches) -> np.ndarray:
+    """One attention layer over ``plan`` with a backend's stages (upstream's CSA / HCA layer assembly).
 
-    return moe
+    1. KV side, over all P group rows (every TP rank recomputes it, as upstream's DSA-CP does): shared kv ->
+       ``ori``; CSA / HCA: the compressor -> ``{kind}_cmp`` (state ring first); CSA: the indexer's keys -> ``idx``.
+       All writes happen before any read below.
+    2. Query side, over the plan's query rows in blocks of ``stages.query_block``: q path; CSA: indexer top-k
+       over the request's own visible entries and their rows; HCA: every visible entry (the plan's rows);
+       the window rows (the plan's); sparse attention; grouped o_proj. Padding-only blocks are skipped.
+
+    x [P, hidden] float32; returns [rows, hidden] float32, zero on padding rows (request -1), which write
+    nothing (their slots are -1).
+    """
+    config = plan.config
+    kind = config.layer_kind(layer)
+    xn = narrow(x, plan.precision)  # the a2a3 kernels and the official inference receive bf16 hidden rows
+    stages.shared_kv(plan, layer, xn, weights, caches)
+    if kind != "swa" and weights.compressor is not None:
+        stages.compress(plan, layer, xn, weights, caches)
+        if kind == "csa":
+            stages.compress_index_keys(plan, layer, xn, weights, caches)
+
+    lo, hi = plan.row_start, plan.row_stop
+    out = np.zeros((hi - lo, config.hidden_size), dtype=np.float32)
+    block = stages.query_block or max(hi - lo, 1)
+    for start in range(lo, hi, block):
+        rows = slice(start, min(start + block, hi))
+        if plan.runs_in(rows.start, rows.stop):  # else padding rows only: zero
+            out[rows.start - lo:rows.stop - lo] = _query_block(stages, plan, layer, xn, rows, weights, caches)
+    return out
 
 
+def _query_block(stages: AttentionStages, plan: BatchPlan, layer: int, xn: np.ndarray, rows: slice,
+                 weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+    """Output rows [T, hidden] of the query rows ``rows`` (zero on padding rows)."""
+    kind = plan.config.layer_kind(layer)
+    query = stages.query(plan, layer, xn, rows, weights)
+    keys = KeyRows(plan.window_in(rows.start, rows.stop))
+    if kind == "csa":
+        top = stages.index_topk(plan, layer, xn, rows, query, weights, caches)
+        keys = attrs.evolve(keys, compressed=stages.chosen_entry_rows(plan, rows, top), pool="csa_cmp")
+    elif kind == "hca":
+        keys = attrs.evolve(keys, compressed=plan.entry_rows_in("hca_cmp", rows.start, rows.stop), pool="hca_cmp")
+    o = stages.sparse_attention(plan, layer, rows, query, keys, weights, caches)
+    out = stages.output_projection(plan, o.reshape(o.shape[0], -1), weights)
+    out[plan.request[rows] < 0] = 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the registry
 def backend_issues(backend: object, precision: object) -> list[Issue]:
     """``config.invalid`` issues of a backend name and the precision asked of it (empty = resolvable)."""
     if backend not in BACKENDS:
@@ -173,20 +246,36 @@ def backend_issues(backend: object, precision: object) -> list[Issue]:
     return []
 
 
-def resolve_backend(backend: str, precision: str) -> AttentionBackend:
-    """The :class:`AttentionBackend` of ``backend`` for layers computed in ``precision``.
+def resolve_backend(backend: str, precision: str) -> Backend:
+    """The :class:`Backend` named ``backend`` for layers computed in ``precision``.
 
-    'pypto' imports :mod:`dspark_kernels.pypto` now (not pypto itself: its kernels run in child processes); the
-    result pickles, so a launcher can resolve it once for all ranks. Raises :class:`ABIError`
-    (``config.invalid``) for an unknown backend or a precision it cannot compute.
+    Imports the backend's module now ('pypto' imports :mod:`dspark_kernels.pypto.backend`, not pypto itself: its
+    kernels run in child processes); the result pickles, so a launcher can resolve it once for all ranks. Raises
+    :class:`ABIError` (``config.invalid``) for an unknown backend or a precision it cannot compute.
     """
     issues = backend_issues(backend, precision)
     if issues:
         raise ABIError(issues)
-    if backend == "pypto":
-        from dspark_kernels import pypto
+    module, name = REGISTRY[backend]
+    result: Backend = getattr(importlib.import_module(module), name)()
+    return result
 
-        return pypto.PyptoAttention()
-    from dspark_kernels.reference.attention import attend
 
-    return attend
+def default_backend(backend: Backend | None) -> Backend:
+    """``backend``, or the registry's reference backend when None (the default of a caller given no backend)."""
+    return resolve_backend("reference", "fp32") if backend is None else backend
+
+
+def head_stages(backend: Backend | None) -> Backend:
+    """The backend whose head stages a forward runs: :func:`default_backend`."""
+    return default_backend(backend)
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated names (one minor version): ``AttentionBackend``, ``HeadStages``, ``HyperConnectionStages`` and
+    ``MoEStage`` are parts of :class:`Backend` now."""
+    if name in ("AttentionBackend", "HeadStages", "HyperConnectionStages", "MoEStage"):
+        warnings.warn(f"dspark_kernels.model.backends.{name} is deprecated: use Backend", DeprecationWarning,
+                      stacklevel=2)
+        return Backend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

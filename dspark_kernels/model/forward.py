@@ -9,6 +9,7 @@ on it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal, get_args
 
@@ -16,7 +17,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
-from dspark_kernels.model.backends import AttentionBackend, HeadStages, head_stages
+from dspark_kernels.model.backends import Backend, default_backend, head_stages
 from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
@@ -25,7 +26,6 @@ from dspark_kernels.model.numerics import Precision, check_precision
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.reference.attention import attend
 
 
 @attrs.frozen(eq=False)
@@ -61,7 +61,7 @@ TARGET_REDUCTIONS: tuple[TargetReduction, ...] = get_args(TargetReduction)
 
 
 def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *, precision: Precision,
-                    stages: HeadStages | None = None, reduction: TargetReduction = "mean") -> np.ndarray:
+                    stages: Backend | None = None, reduction: TargetReduction = "mean") -> np.ndarray:
     """One target layer's DSpark feature [T, D] from the layer's output streams x_hc [T, hc, D] (after its FFN
     ``hc_post``); bf16 values in a2a3 and deepseek. Padding (zero) rows give zero rows.
 
@@ -71,29 +71,23 @@ def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *,
     * ``"hc_head"``: the model-level ``hc_head`` of the streams (the value whose RMS norm feeds the LM head after
       the last layer), upstream pypto-lib's ``dspark_target_hidden``, kept for comparison with it.
 
-    stages: the backend's head stages (default the reference's); a backend without a ``stream_mean`` stage gets
-    the reference's.
+    stages: the backend whose ``stream_mean`` / ``hc_head`` stage computes it (default the registry's reference).
     """
     chosen = head_stages(None) if stages is None else stages
     if reduction == "hc_head":
         return chosen.hc_head(x_hc, head.hc, config, precision=precision)
     if reduction != "mean":
         raise ValueError(f"reduction={reduction!r} is not one of {list(TARGET_REDUCTIONS)}")
-    mean = getattr(chosen, "stream_mean", None)
-    if mean is None:
-        from dspark_kernels.reference.head import stream_mean
-
-        return stream_mean(x_hc, precision=precision)
-    result: np.ndarray = mean(x_hc, precision=precision)
-    return result
+    return chosen.stream_mean(x_hc, precision=precision)
 
 
 def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
                 precision: str = "fp32", layers: Sequence[int] | None = None,
                 logit_rows: Sequence[int] | np.ndarray | None = None, rank: int | None = None,
-                all_gather: AllGather | None = None, attention: AttentionBackend | None = None,
+                all_gather: AllGather | None = None, backend: Backend | None = None,
                 prepared: PreparedWeightsCache | None = None,
-                on_layer: Callable[[int, int], None] | None = None) -> ForwardResult:
+                on_layer: Callable[[int, int], None] | None = None, attention: Backend | None = None,
+                caches_checked: bool = False) -> ForwardResult:
     """Run ``layers`` (default: every layer of the config, in order) and the head.
 
     hidden_or_token_ids: [P] int token ids (embedded; padding rows zeroed), or [P, hc, D] / [P, D] fp32 hidden
@@ -102,19 +96,25 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
     logit_rows: [M] group rows in [0, N) or -1; default ``batch.logit_rows`` (none if that is None).
     rank / all_gather: one rank's view of a TP group (see :func:`dspark_kernels.model.layer.run_layer`); the LM head is
     then split by vocabulary and its shards gathered too. on_layer(done, total) is called after each layer.
-    attention: the :class:`~dspark_kernels.model.backends.AttentionBackend` of every layer (default the numpy
-    reference). prepared: the caller's cache of prepared attention weights, to reuse them across calls (default:
-    one for this call, kept only if ``weights`` keep their layers).
+    backend: the :class:`~dspark_kernels.model.backends.Backend` whose stages run every layer and the head (default
+    the registry's reference; ``attention=`` is its deprecated name). prepared: the caller's cache of prepared
+    attention weights, to reuse them across calls (default: one for this call, kept only if ``weights`` keep their
+    layers).
+    caches_checked: the caller already raised on ``caches.issues_for(batch, precision, layers)`` (a prefill checks
+    the caches before it snapshots them; the check runs once).
     Caches are written in place. Raises :class:`ABIError` (nothing touched) when anything does not fit.
     """
     prec = check_precision(precision)
+    if attention is not None:
+        warnings.warn("run_forward(attention=...) is deprecated: pass backend=", DeprecationWarning, stacklevel=2)
+        backend = attention if backend is None else backend
     cfg = batch.config
     run = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
     wanted = batch.logit_rows if logit_rows is None else logit_rows
     rows = np.zeros(0, np.int64) if wanted is None else np.asarray(wanted, dtype=np.int64).reshape(-1)
     inputs = np.asarray(hidden_or_token_ids)
     token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else batch.token_ids
-    _check(batch, inputs, token_ids, weights, caches, prec, run, rows, rank, all_gather)
+    _check(batch, inputs, token_ids, weights, caches, prec, run, rows, rank, all_gather, caches_checked)
     targets = {layer: k for k, layer in enumerate(cfg.dspark_target_layers)}   # layer -> feature slot
     d = cfg.hidden_size
     if batch.num_tokens == 0:   # an inactive group (PaddingPolicy.allow_inactive): no row, nothing written
@@ -124,8 +124,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
                              target_hidden=np.zeros((0, len(targets) * d), np.float32) if targets else None,
                              target_hidden_hc_head=np.zeros((0, len(targets) * d), np.float32) if targets else None)
     plan = BatchPlan.build(batch, rank=rank, precision=prec)
-    backend = attend if attention is None else attention
-    stages = head_stages(backend)  # the backend's head kernels, or the reference's
+    stages = default_backend(backend)  # the registry's reference when no backend is given
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
 
     if inputs.dtype.kind in "iu":
@@ -140,7 +139,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
     features_hc_head = None if features is None else np.zeros_like(features)
     for done, i in enumerate(run, start=1):
         x_hc = run_layer(plan, i, x_hc, weights.layer(i), caches[i], token_ids=token_ids, all_gather=all_gather,
-                         attention=backend, prepared=cache)
+                         backend=stages, prepared=cache)
         if features is not None and features_hc_head is not None and i in targets:
             k = targets[i]
             features[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec, stages=stages)
@@ -166,7 +165,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
 
 def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,
            caches: ModelCaches, precision: str, run: list[int], rows: np.ndarray, rank: int | None,
-           all_gather: AllGather | None) -> None:
+           all_gather: AllGather | None, caches_checked: bool) -> None:
     cfg, p = batch.config, batch.padded_rows
     issues: list[Issue] = []
     if weights.config != cfg:
@@ -179,7 +178,7 @@ def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None,
     elif not isinstance(caches, ModelCaches):
         issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",
                             expected="ModelCaches", actual=type(caches).__name__))
-    else:
+    elif not caches_checked:
         issues += caches.issues_for(batch, precision, run)
     hc, d = cfg.hc_mult, cfg.hidden_size
     if inputs.dtype.kind in "iu":

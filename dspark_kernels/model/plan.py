@@ -16,13 +16,23 @@ field                   what, and where it comes from
                         ``(p+1)/m - 1``: :func:`~dspark_kernels.model.geometry.boundary_rows`)
 ``visible[m]``          [P] int64 entries a row sees, ``(p+1) // m`` (:func:`dspark_abi.layout.visible_entries`),
                         0 on padding rows
+``window``              [rows, W] int64 physical ``ori`` rows of each query row's sliding window, oldest first
+                        (:func:`window_key_rows`); -1 = none
+``entry_rows[pool]``    [rows, Vmax] int64 physical rows of every visible compressed entry of each query row
+                        through its request's table, for ``hca_cmp`` (HCA's dense entries) and ``idx`` (the
+                        lightning indexer's candidates): :func:`visible_entry_rows`;
+                        :meth:`entry_rows_in` trims a row range to its widest count
+``state_windows[pool]`` the boundary rows of each compressor state pool (``csa_state``, ``csa_inner_state``,
+                        ``hca_state``) and the state rows [B, span] of their windows (:class:`StateWindows`)
 ``rope[kind]``          RoPE cos / sin [P, rd/2] at the positions, per layer kind of the schedule, in the
                         plan's precision (CSA and HCA share the compressed frequencies, so one object)
 ``window_rope[m]``      RoPE cos / sin [P, rd/2] at the ratio-m window starts (compressor entries)
 ======================  ==========================================================================================
 
-A plan serves one precision (its RoPE rows are that precision's values). It is immutable and pickles (the
-pypto backend ships it to its kernel processes).
+The lookups (``window``, ``entry_rows``, ``state_windows``) are the same for every layer: each layer of either
+backend reads them here, and only the layer kinds of the config's schedule get theirs. A plan serves one
+precision (its RoPE rows are that precision's values). It is immutable and pickles (the pypto backend ships it
+to its kernel processes).
 """
 
 from __future__ import annotations
@@ -32,8 +42,13 @@ import numpy as np
 
 from dspark_abi import ABIError, ModelConfig, PackedBatch
 from dspark_abi.config import LayerKind
-from dspark_abi.layout import visible_entries
-from dspark_kernels.model.geometry import boundary_rows, window_start_positions
+from dspark_abi.layout import physical_rows, visible_entries
+from dspark_kernels.model.geometry import (
+    INDEX_RATIO,
+    boundary_rows,
+    window_start_positions,
+    window_state_rows,
+)
 from dspark_kernels.model.numerics import Precision, check_precision
 from dspark_kernels.model.rope import rope_at
 
@@ -44,6 +59,29 @@ Run = tuple[int, int, int]
 def compress_ratios(config: ModelConfig) -> tuple[int, ...]:
     """The compress ratios of the ABI's compressed pools (4 and 128), ascending."""
     return tuple(sorted({pl.ratio for pl in config.layout if pl.ratio}))
+
+
+def window_key_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarray, window: int,
+                    page_size: int) -> np.ndarray:
+    """[T, W] int64 physical ``ori`` rows of every query's sliding window, oldest first (the ori pool is a ring).
+
+    positions, request: [T] int (-1 = padding row); ori_table [R, width] int32. With ``v = min(W, p + 1)``,
+    column k < v holds the row of key position ``p + 1 - v + k``; columns >= v, padding rows and unmapped pages
+    hold -1. Isolation comes from reading the query's own request's table row; causality from keys <= p.
+    """
+    p = np.asarray(positions, dtype=np.int64)[:, None]                   # (T, 1)
+    k = np.arange(window, dtype=np.int64)[None, :]                       # (1, W)
+    visible = np.minimum(window, p + 1)                                  # (T, 1)
+    key_pos = np.where(k < visible, p + 1 - visible + k, -1)             # (T, W)
+    rows = physical_rows(ori_table, request, key_pos, page_size, ring=True)
+    return np.where(k < visible, rows, -1)
+
+
+def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray, page_size: int) -> np.ndarray:
+    """[T, Vmax] int64 physical rows of the compressed entries ``c < visible[t]`` through each row's own request's
+    table (visible: [T] counts, 0 on padding rows; Vmax = max(visible)); -1 beyond a row's count or unmapped."""
+    c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
+    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -61,6 +99,20 @@ class RopeRows:
     def rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(cos, sin) of group rows ``[lo, hi)``."""
         return self.cos[lo:hi], self.sin[lo:hi]
+
+
+@attrs.frozen(eq=False)
+class StateWindows:
+    """One compressor's windows over the group rows: ``boundaries`` [B] int64, the live rows that close a window
+    (ascending); ``rows`` [B, span] int64, the physical state rows each pools, -1 = missing slot
+    (:func:`~dspark_kernels.model.geometry.window_state_rows`)."""
+
+    boundaries: np.ndarray
+    rows: np.ndarray
+
+
+#: The compressed pool whose visible entries a layer kind reads through the plan's ``entry_rows``.
+ENTRY_POOLS: dict[LayerKind, str] = {"csa": "idx", "hca": "hca_cmp"}
 
 
 @attrs.frozen(eq=False)
@@ -82,6 +134,9 @@ class BatchPlan:
     run_requests: np.ndarray
     boundaries: dict[int, np.ndarray]
     visible: dict[int, np.ndarray]
+    window: np.ndarray
+    entry_rows: dict[str, np.ndarray]
+    state_windows: dict[str, StateWindows]
     rope: dict[LayerKind, RopeRows]
     window_rope: dict[int, RopeRows]
 
@@ -115,10 +170,20 @@ class BatchPlan:
         window_rope = {m: RopeRows(*(_frozen(a) for a in rope_at(config, kind, window_start_positions(positions, m),
                                                                  prec)))
                        for kind, m in kinds.items() if m}
+        pools, tables = config.layout.pools, batch.tables
+        window = _frozen(window_key_rows(positions[lo:hi], request[lo:hi], tables["ori"], config.sliding_window,
+                                         pools["ori"].page_size))
+        entry_rows = {pool: _frozen(visible_entry_rows(visible[pools[pool].ratio][lo:hi], request[lo:hi],
+                                                       tables[pool], pools[pool].page_size))
+                      for kind, pool in ENTRY_POOLS.items() if kind in kinds}
+        compressors = [(f"{kind}_state", m) for kind, m in kinds.items() if m]
+        compressors += [("csa_inner_state", INDEX_RATIO)] if "csa" in kinds else []
+        state_windows = {pool: StateWindows(*(_frozen(a) for a in window_state_rows(
+            positions, request, tables[pool], m, pools[pool].page_size, boundaries[m]))) for pool, m in compressors}
         return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
                    request=request, run_starts=_frozen(run_starts), run_stops=_frozen(run_stops),
-                   run_requests=_frozen(run_requests), boundaries=boundaries,
-                   visible=visible, rope=rope, window_rope=window_rope)
+                   run_requests=_frozen(run_requests), boundaries=boundaries, visible=visible, window=window,
+                   entry_rows=entry_rows, state_windows=state_windows, rope=rope, window_rope=window_rope)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -134,6 +199,21 @@ class BatchPlan:
     def query_request(self) -> np.ndarray:
         """[rows] int32 request of each query row (a view of ``batch.row_request``); -1 on padding rows."""
         return self.request[self.row_start:self.row_stop]
+
+    def query_slice(self, lo: int, hi: int) -> slice:
+        """Group rows ``[lo, hi)`` (inside the query rows) as a slice of the per-query-row arrays."""
+        return slice(lo - self.row_start, hi - self.row_start)
+
+    def window_in(self, lo: int, hi: int) -> np.ndarray:
+        """[hi - lo, W] int64 ``window`` rows of group query rows ``[lo, hi)``."""
+        return self.window[self.query_slice(lo, hi)]
+
+    def entry_rows_in(self, pool: str, lo: int, hi: int) -> np.ndarray:
+        """[hi - lo, V] int64 ``entry_rows[pool]`` of group query rows ``[lo, hi)``, V = their widest visible count
+        (the columns beyond it are -1 in every one of these rows)."""
+        ratio = self.config.layout.pools[pool].ratio
+        columns = int(self.visible[ratio][lo:hi].max(initial=0))
+        return self.entry_rows[pool][self.query_slice(lo, hi), :columns]
 
     def runs_in(self, lo: int, hi: int) -> list[Run]:
         """The runs of group rows ``[lo, hi)``: ``(start, stop, request)`` relative to ``lo``, ascending.

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import PackedBatch
-from dspark_kernels.model.backends import AttentionBackend, resolve_backend
+from dspark_kernels.model.backends import Backend, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardResult, run_forward
 from dspark_kernels.model.layer import AllGather
@@ -95,7 +95,7 @@ def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeigh
         try:
             results[r] = run_forward(batch, inputs, weights, replicas[r], precision=precision, layers=layers,
                                      logit_rows=logit_rows, rank=r, all_gather=group.gatherer(r),
-                                     attention=attention, prepared=cache, on_layer=on_layer if r == 0 else None)
+                                     backend=attention, prepared=cache, on_layer=on_layer if r == 0 else None)
         except BaseException as exc:
             errors.append(exc)
             group.abort()
@@ -146,7 +146,7 @@ def torch_all_gather(device: str = "cpu") -> AllGather:
     return all_gather
 
 
-def run_rank(job: DistributedJob, *, device: str = "cpu", attention: AttentionBackend | None = None) -> RankResult:
+def run_rank(job: DistributedJob, *, device: str = "cpu", attention: Backend | None = None) -> RankResult:
     """Run this process's rank of ``job`` in an initialised default process group (e.g. under torchrun).
 
     attention: the attention backend already resolved (by :func:`launch`); default
@@ -161,13 +161,13 @@ def run_rank(job: DistributedJob, *, device: str = "cpu", attention: AttentionBa
         attention = resolve_backend(job.backend, job.precision)
     result = run_forward(job.batch, job.inputs, job.weights, job.caches, precision=job.precision,
                          layers=job.layers, logit_rows=job.logit_rows, rank=rank,
-                         all_gather=torch_all_gather(device), attention=attention,
+                         all_gather=torch_all_gather(device), backend=attention,
                          on_layer=job.on_layer if rank == 0 else None)
     return RankResult(rank, result, job.caches)
 
 
 def _spawned_rank(rank: int, job: DistributedJob, init_file: str, backend: str, device: str, out: Any,
-                  attention: AttentionBackend | None = None) -> None:
+                  attention: Backend | None = None) -> None:
     import torch
     import torch.distributed as dist
 

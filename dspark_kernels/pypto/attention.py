@@ -1,50 +1,51 @@
 """`attention_pypto`: one attention layer over a packed batch with the pypto kernels (the ``pypto`` backend).
 
 Same contract as :func:`dspark_kernels.reference.attention.attention` with ``precision="a2a3"`` (the
-numerics the kernels implement): same arguments, same output, same in-place cache updates. Every stage
-runs through a pypto kernel; the host only reads the batch's plan (RoPE rows, the compressor boundary rows,
-visible-entry counts) and moves arrays between calls. The stage modules mirror the reference's:
+numerics the kernels implement): same arguments, same output, same in-place cache updates. Every stage that
+computes runs through a pypto kernel; the host reads the batch's plan (request ids, RoPE rows, window rows,
+visible entry rows, the compressors' boundary rows and windows: table lookups that are the same for every layer,
+computed once per batch and rank) and moves arrays between calls. The stage modules mirror the reference's
+(``lowering`` and ``window`` are kernels of the plan's lookups, tested against it; a forward reads the plan's):
 
 =====================================================  ==================================================
 stage                                                  module
 =====================================================  ==================================================
-local request ids of the query rows (1)                ``lowering`` (once per plan)
+local request ids of the query rows (1)                the plan's ``request`` (kernel: ``lowering``)
 shared kv (all P rows) and q path (query rows) (2)     ``projections``
 ``ori``, state, compressed and idx writes (3)          ``paged``
-window rows through the request's ori table (3)        ``window``
+window rows through the request's ori table (3)        the plan's ``window`` (kernel: ``window``)
 compressors ratio 4 / 128, state rings (4)             ``compressor`` (+ ``paged``)
 indexer compressor: Hadamard, int8 idx cache (5)       ``compressor`` (+ ``paged``)
-lightning indexer scores and top-k (5)                 ``indexer`` (candidates: ``entry_rows``)
-compressed rows through the request's table (6)        ``entry_rows``
+lightning indexer scores and top-k (5)                 ``indexer`` (candidates: the plan's ``entry_rows``)
+compressed rows through the request's table (6)        ``entry_rows`` (CSA); HCA: the plan's ``entry_rows``
 sparse attention core with sink, inverse RoPE (6)      ``sparse_attention``
 grouped o_proj with int8 activations (7)               ``o_proj``
 =====================================================  ==================================================
 
-By default every layer runs in a child process (:func:`~dspark_kernels.pypto.isolate.run_isolated`):
-pypto leaks ~23 MB per kernel call and can end the process on some errors. The child's caches are
-copied back into ``caches`` in place. Importing this module imports neither torch nor pypto.
+The order of the stages is the model layer's one orchestrator (:func:`~dspark_kernels.model.backends.run_attention`)
+over :class:`PyptoStages`, which runs its kernels in this process; the pypto backend
+(:class:`~dspark_kernels.pypto.backend.PyptoBackend`) runs every layer in a child process
+(:func:`~dspark_kernels.pypto.isolate.run_isolated`): pypto leaks ~23 MB per kernel call and can end the process
+on some errors. The child's caches are copied back into ``caches`` in place. Importing this module imports
+neither torch nor pypto.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+import warnings
+from typing import Any, TypeVar
 
-import attrs
 import numpy as np
 
-from dspark_abi import ModelConfig, PackedBatch
+from dspark_abi import PackedBatch
 from dspark_abi.pools import TABLE_FIELDS
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
-from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
+from dspark_kernels.model.backends import HcMix, KeyRows, QueryPath, run_attention
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
-from dspark_kernels.model.geometry import INDEX_RATIO
-from dspark_kernels.model.numerics import narrow
 from dspark_kernels.model.plan import BatchPlan
 from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
-from dspark_kernels.pypto.isolate import run_isolated
 
 T = TypeVar("T")
 
@@ -59,258 +60,125 @@ def attention_pypto(batch: PackedBatch, layer: int, x: np.ndarray, weights: Atte
     isolate: run in a child process (default); False runs pypto in this process. prepared: a cache of
     prepared weights the caller keeps across calls (default: prepare them now).
     """
+    from dspark_kernels.pypto.backend import PyptoBackend
+
     check_attention_inputs(batch, layer, x, weights, caches, rank, PRECISION)
     plan = BatchPlan.build(batch, rank=rank, precision=PRECISION)
     w = prepared_for(weights, PRECISION, prepared)
-    return PyptoAttention(isolate=isolate)(plan, layer, x, w, caches)
+    return PyptoBackend(isolate=isolate).attention(plan, layer, x, w, caches)
 
 
-@attrs.define(eq=False)
-class PyptoAttention:
-    """The pypto :class:`~dspark_kernels.model.backends.AttentionBackend` (``plan.precision`` must be a2a3).
+def attend_in_process(plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights, caches: LayerCaches
+                      ) -> np.ndarray:
+    """One layer's attention with the pypto kernels in this process (the model layer's orchestrator over
+    :class:`PyptoStages`); ``plan.precision`` and ``weights.precision`` are a2a3 (the backend checks them)."""
+    return run_attention(PyptoStages(), plan, layer, x, weights, caches)
 
-    Stage 1 (the plan's request ids, :mod:`.lowering`) runs once per plan: in the kernel process of the first
-    layer called with it, whose ids the later layers of that plan reuse. isolate: False runs pypto in this
-    process. One instance serves any number of plans (the ranks of an in-process TP group share one).
+
+class PyptoStages:
+    """The pypto kernels' :class:`~dspark_kernels.model.backends.AttentionStages` (a2a3), run in this process.
+
+    The query side runs all of the plan's query rows in one block (``query_block = 0``): the kernels tile them.
     """
 
-    isolate: bool = True
-    _lowered: dict[int, tuple[BatchPlan, np.ndarray]] = attrs.field(factory=dict, init=False, repr=False)
+    query_block: int = 0
 
-    def __call__(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
-                 caches: LayerCaches) -> np.ndarray:
-        if plan.precision != PRECISION or weights.precision != PRECISION:
-            raise ValueError(f"the pypto kernels compute {PRECISION}, not plan {plan.precision} / weights "
-                             f"{weights.precision}")
-        kept = self._lowered.get(id(plan))
-        ids = kept[1] if kept is not None and kept[0] is plan else None
-        if self.isolate:
-            out, updated, ids = run_isolated(_attention_and_caches, plan, layer, x, weights, caches, ids)
-            for name, array in caches.arrays().items():
-                array[...] = updated[name]
-        else:
-            out, ids = _attention_in_process(plan, layer, x, weights, caches, ids)
-        self._lowered[id(plan)] = (plan, ids)
-        return out
+    def shared_kv(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                  caches: LayerCaches) -> None:
+        from dspark_kernels.pypto.paged import scatter_into
+        from dspark_kernels.pypto.projections import run_shared_kv
 
-    # the layer's hyper-connection stages (model.backends.HyperConnectionStages), through the pypto kernels
-    def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: str,
-               norm: np.ndarray | None = None) -> HcMix:
-        """The reference's ``hc_pre`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.hyper_connections`;
-        with ``norm`` [D] the sub-block's RMSNorm of ``x_mixed`` is fused into the kernel (``x_normed``)."""
-        _check_precision(precision)
-        run = run_isolated if self.isolate else _direct
-        return HcMix(*run(_hc_pre, x_hc, weights, config, norm))
+        rope = plan.rope[plan.config.layer_kind(layer)]
+        kv = run_shared_kv(x, weights.wkv, weights.kv_norm, rope.cos, rope.sin,
+                           plan.config.rms_norm_eps).values[-1][:, 0].astype(np.float32)
+        scatter_into(caches.ori, plan.batch.slots["ori"], kv, bf16=True)
 
-    def hc_post(self, out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray, *, precision: str
-                ) -> np.ndarray:
-        """The reference's ``hc_post`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.hyper_connections`."""
-        _check_precision(precision)
-        run = run_isolated if self.isolate else _direct
-        result: np.ndarray = run(_hc_post, out, x_hc, post, comb)
+    def compress(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                 caches: LayerCaches) -> None:
+        from dspark_kernels.pypto.compressor import compress_into
+        from dspark_kernels.pypto.paged import scatter_into
+
+        batch, config = plan.batch, plan.config
+        pools = config.layout.pools  # each table's addressing (ring or not) comes from its PoolLayout
+        kind = config.layer_kind(layer)
+        start = plan.window_rope[config.compress_ratios[layer]]
+        state = f"{kind}_state"
+        b, (entries,) = compress_into(x, plan.positions, plan.request, batch.slots[state], batch.tables[state],
+                                      caches.pool(state), _given(weights.compressor, "compressor"), start.cos,
+                                      start.sin, page_size=pools[state].page_size, eps=config.rms_norm_eps,
+                                      ring=pools[state].is_ring, windows=plan.state_windows[state])
+        scatter_into(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
+
+    def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                            caches: LayerCaches) -> None:
+        from dspark_kernels.pypto.compressor import compress_into
+        from dspark_kernels.pypto.paged import scatter_into
+
+        batch, config = plan.batch, plan.config
+        pools = config.layout.pools
+        start = plan.window_rope[config.compress_ratios[layer]]
+        inner = "csa_inner_state"
+        b, (idx, idx_scale) = compress_into(x, plan.positions, plan.request, batch.slots[inner],
+                                            batch.tables[inner], caches.pool(inner),
+                                            _given(weights.idx_compressor, "indexer.compressor"), start.cos,
+                                            start.sin, page_size=pools[inner].page_size, eps=config.rms_norm_eps,
+                                            ring=pools[inner].is_ring, hadamard=weights.idx_hadamard,
+                                            windows=plan.state_windows[inner])
+        scatter_into(caches.pool("idx"), batch.slots["idx"][b], idx, bf16=False)
+        scatter_into(caches.pool("idx_scale"), batch.slots["idx"][b], idx_scale, bf16=False)
+
+    def query(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, weights: PreparedWeights
+              ) -> QueryPath:
+        from dspark_kernels.pypto.projections import run_query
+
+        config, w = plan.config, weights
+        cos, sin = plan.rope[config.layer_kind(layer)].rows(rows.start, rows.stop)
+        q, qr_q, qr_scale = (v.astype(np.float32) for v in run_query(
+            x[rows], w.wq_a, w.q_norm, w.wq_b, _given(w.wq_b_scale, "wq_b scale"), cos, sin,
+            config.num_attention_heads, config.rms_norm_eps).values[-3:])
+        return QueryPath(q=q, low_rank=(qr_q, qr_scale))
+
+    def index_topk(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, query: QueryPath,
+                   weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+        from dspark_kernels.pypto.indexer import run_indexer
+
+        config, w = plan.config, weights
+        candidates = plan.entry_rows_in("idx", rows.start, rows.stop)  # the request's own visible idx entries
+        if candidates.shape[1] == 0:
+            return np.full((rows.stop - rows.start, config.index_topk), -1, np.int32)
+        cos, sin = plan.rope[config.layer_kind(layer)].rows(rows.start, rows.stop)
+        qr_q, qr_scale = query.low_rank
+        top: np.ndarray = run_indexer(qr_q, qr_scale, _given(w.idx_wq_b, "indexer.wq_b"),
+                                      _given(w.idx_wq_b_scale, "indexer.wq_b scale"), x[rows],
+                                      _given(w.idx_weights_proj, "indexer.weights_proj"), cos, sin,
+                                      _given(w.idx_hadamard, "indexer Hadamard"), caches.pool("idx"),
+                                      caches.pool("idx_scale"), candidates, heads=config.index_n_heads,
+                                      topk=config.index_topk, weight_scale=config.index_weight_scale).values[-1]
+        return top
+
+    def chosen_entry_rows(self, plan: BatchPlan, rows: slice, entries: np.ndarray) -> np.ndarray:
+        from dspark_kernels.pypto.entry_rows import run_entry_rows
+
+        pool = plan.config.layout.pools["csa_cmp"]
+        result: np.ndarray = run_entry_rows(plan.positions[rows], plan.request[rows].astype(np.int64),
+                                            plan.batch.tables["csa_cmp"], entries, ring=pool.is_ring,
+                                            table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
         return result
 
-    # the head's stages (model.backends.HeadStages), through the pypto kernels of .hyper_connections and .head
-    def hc_head(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: str) -> np.ndarray:
-        """The reference's ``hc_head`` in a2a3 numerics (the DSpark target features): [T, D] fp32 (bf16 values)."""
-        _check_precision(precision)
-        return self._run(_hc_head, x_hc, weights, config)
+    def sparse_attention(self, plan: BatchPlan, layer: int, rows: slice, query: QueryPath, keys: KeyRows,
+                         weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+        from dspark_kernels.pypto.sparse_attention import run_sparse_attention
 
-    def stream_mean(self, x_hc: np.ndarray, *, precision: str) -> np.ndarray:
-        """The reference head's ``stream_mean`` (DeepSeek's DSpark target feature) in a2a3: [T, D] bf16 values."""
-        _check_precision(precision)
-        return self._run(_stream_mean, x_hc)
+        cos, sin = plan.rope[plan.config.layer_kind(layer)].rows(rows.start, rows.stop)
+        pool = None if keys.pool is None else caches.pool(keys.pool)
+        return run_sparse_attention(query.q, keys.window, keys.compressed, caches.ori, pool, weights.attn_sink,
+                                    cos, sin, scale=plan.config.softmax_scale).values[-1].astype(np.float32)
 
-    def final_hidden(self, x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig, *, precision: str
-                     ) -> np.ndarray:
-        """The reference's ``final_hidden`` (hc_head + final RMSNorm) in a2a3 numerics: [T, D] fp32 (bf16 values)."""
-        _check_precision(precision)
-        return self._run(_final_hidden, x_hc, weights, config)
+    def output_projection(self, plan: BatchPlan, o: np.ndarray, weights: PreparedWeights) -> np.ndarray:
+        from dspark_kernels.pypto.o_proj import run_o_proj
 
-    def logits_for_rows(self, x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
-        """The reference's ``logits_for_rows`` (``head_w``: the whole head or this rank's vocabulary shard)."""
-        return self._run(_logits_for_rows, x_out, rows, head_w)
-
-    def greedy(self, logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """The reference's ``greedy``: [M] int64 first-maximum ids, -1 on inactive rows."""
-        return self._run(_greedy, logits, rows)
-
-    # the layer's MoE FFN (model.backends.MoEStage), through the pypto kernels of .moe
-    def moe(self, x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, norm: np.ndarray | None = None,
-            token_ids: np.ndarray | None = None, live: np.ndarray | None = None, precision: str) -> np.ndarray:
-        """The reference's ``moe`` in a2a3 numerics, through :mod:`dspark_kernels.pypto.moe`: its gate and experts
-        kernels run in child processes (when isolated); the grouping by expert and the experts' int8 weights are
-        prepared in this process, so only arrays travel."""
-        _check_precision(precision)
-        from dspark_kernels.pypto.moe import moe
-
-        return moe(x, weights, config, norm=norm, token_ids=token_ids, live=live,
-                   run=run_isolated if self.isolate else None)
-
-    def _run(self, func: Callable[..., np.ndarray], *args: object) -> np.ndarray:
-        return run_isolated(func, *args) if self.isolate else func(*args)
-
-
-@attrs.frozen
-class HcMix:
-    """hc_pre's outputs (the reference's ``HcPre`` fields): x_mixed [T, D] fp32 holding bf16 values, post [T, hc],
-    comb [T, hc, hc]; x_normed [T, D] fp32 (bf16 values), the fused RMSNorm when hc_pre was given a ``norm``."""
-
-    x_mixed: np.ndarray
-    post: np.ndarray
-    comb: np.ndarray
-    x_normed: np.ndarray | None = None
-
-
-def _check_precision(precision: str) -> None:
-    if precision != PRECISION:
-        raise ValueError(f"the pypto kernels compute {PRECISION}, not {precision}")
-
-
-def _direct(func: Callable[..., T], *args: object) -> T:
-    return func(*args)
-
-
-def _hc_pre(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, norm: np.ndarray | None
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """In the kernel process: hc_pre's arrays (plain arrays travel back; the kernel module stays in the child)."""
-    from dspark_kernels.pypto.hyper_connections import hc_pre
-
-    result = hc_pre(x_hc, weights, config, norm=norm)
-    return result.x_mixed, result.post, result.comb, result.x_normed
-
-
-def _hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
-    from dspark_kernels.pypto.hyper_connections import hc_post
-
-    return hc_post(out, x_hc, post, comb)
-
-
-def _hc_head(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig) -> np.ndarray:
-    from dspark_kernels.pypto.hyper_connections import hc_head
-
-    return hc_head(x_hc, weights, config)
-
-
-def _stream_mean(x_hc: np.ndarray) -> np.ndarray:
-    from dspark_kernels.pypto.head import stream_mean
-
-    return stream_mean(x_hc)
-
-
-def _final_hidden(x_hc: np.ndarray, weights: HeadWeights, config: ModelConfig) -> np.ndarray:
-    from dspark_kernels.pypto.head import final_hidden
-
-    return final_hidden(x_hc, weights, config)
-
-
-def _logits_for_rows(x_out: np.ndarray, rows: np.ndarray, head_w: np.ndarray) -> np.ndarray:
-    from dspark_kernels.pypto.head import logits_for_rows
-
-    return logits_for_rows(x_out, rows, head_w)
-
-
-def _greedy(logits: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    from dspark_kernels.pypto.head import greedy
-
-    return greedy(logits, rows)
-
-
-
-def _attention_and_caches(plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
-                          caches: LayerCaches, ids: np.ndarray | None
-                          ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray]:
-    out, ids = _attention_in_process(plan, layer, x, weights, caches, ids)
-    return out, caches.arrays(), ids
-
-
-def _attention_in_process(plan: BatchPlan, layer: int, x: np.ndarray, w: PreparedWeights, caches: LayerCaches,
-                          ids: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """(output rows, stage-1 ids) of one layer; ``ids``: the plan's stage-1 ids if already lowered."""
-    from dspark_kernels.pypto.compressor import compress_into
-    from dspark_kernels.pypto.entry_rows import run_entry_rows
-    from dspark_kernels.pypto.indexer import run_indexer
-    from dspark_kernels.pypto.lowering import run_lowering
-    from dspark_kernels.pypto.o_proj import run_o_proj
-    from dspark_kernels.pypto.paged import scatter_into
-    from dspark_kernels.pypto.projections import run_query, run_shared_kv
-    from dspark_kernels.pypto.sparse_attention import run_sparse_attention
-    from dspark_kernels.pypto.window import run_window
-
-    batch, config = plan.batch, plan.config
-    pools = config.layout.pools  # each table's addressing (ring or not) comes from its PoolLayout
-    kind = config.layer_kind(layer)
-    xn = narrow(x, PRECISION)
-    eps = config.rms_norm_eps
-
-    # ---- KV side over all P rows; every write happens before any read
-    rope = plan.rope[kind]
-    kv = run_shared_kv(xn, w.wkv, w.kv_norm, rope.cos, rope.sin, eps).values[-1][:, 0].astype(np.float32)
-    scatter_into(caches.ori, batch.slots["ori"], kv, bf16=True)
-    if kind != "swa" and w.compressor is not None:
-        ratio = config.compress_ratios[layer]
-        start = plan.window_rope[ratio]
-        state = f"{kind}_state"
-        b, (entries,) = compress_into(xn, plan.positions, plan.request, batch.slots[state], batch.tables[state],
-                                      caches.pool(state), w.compressor, start.cos, start.sin,
-                                      page_size=pools[state].page_size, eps=eps, ring=pools[state].is_ring,
-                                      boundaries=plan.boundaries[ratio])
-        scatter_into(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
-        if kind == "csa":
-            inner = "csa_inner_state"
-            b, (idx, idx_scale) = compress_into(xn, plan.positions, plan.request, batch.slots[inner],
-                                                batch.tables[inner], caches.pool(inner),
-                                                _given(w.idx_compressor, "indexer.compressor"), start.cos,
-                                                start.sin, page_size=pools[inner].page_size, eps=eps,
-                                                ring=pools[inner].is_ring, hadamard=w.idx_hadamard,
-                                                boundaries=plan.boundaries[INDEX_RATIO])
-            scatter_into(caches.pool("idx"), batch.slots["idx"][b], idx, bf16=False)
-            scatter_into(caches.pool("idx_scale"), batch.slots["idx"][b], idx_scale, bf16=False)
-
-    # ---- query side over the plan's rows
-    lo, hi = plan.row_start, plan.row_stop
-    if ids is None:  # stage 1, once per plan
-        ids = run_lowering(batch.query_start_loc, lo, hi - lo).values[-1]
-    request = ids.astype(np.int64)
-    q_pos, q_x = plan.positions[lo:hi], xn[lo:hi]
-    q_cos, q_sin = rope.rows(lo, hi)
-    q, qr_q, qr_scale = (v.astype(np.float32) for v in run_query(
-        q_x, w.wq_a, w.q_norm, w.wq_b, _given(w.wq_b_scale, "wq_b scale"), q_cos, q_sin, config.num_attention_heads,
-        eps).values[-3:])
-    window = run_window(q_pos, request, batch.tables["ori"], config.sliding_window,
-                        ring=pools["ori"].is_ring).values[-1]
-    cmp_rows, cmp_pool = None, None
-    if kind == "csa":
-        top = np.full((hi - lo, config.index_topk), -1, np.int32)
-        columns = int(plan.visible[INDEX_RATIO][lo:hi].max(initial=0))
-        if columns > 0:  # candidates: the request's own visible idx entries, through its table
-            candidates = run_entry_rows(q_pos, request, batch.tables["idx"], None, ring=pools["idx"].is_ring,
-                                        ratio=INDEX_RATIO, columns=columns,
-                                        table_name=TABLE_FIELDS["idx"]).values[-1]
-            top = run_indexer(qr_q, qr_scale, _given(w.idx_wq_b, "indexer.wq_b"),
-                              _given(w.idx_wq_b_scale, "indexer.wq_b scale"), q_x,
-                              _given(w.idx_weights_proj, "indexer.weights_proj"), q_cos, q_sin,
-                              _given(w.idx_hadamard, "indexer Hadamard"), caches.pool("idx"), caches.pool("idx_scale"),
-                              candidates,
-                              heads=config.index_n_heads, topk=config.index_topk,
-                              weight_scale=config.index_weight_scale).values[-1]
-        cmp_rows = run_entry_rows(q_pos, request, batch.tables["csa_cmp"], top, ring=pools["csa_cmp"].is_ring,
-                                  table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
-        cmp_pool = caches.pool("csa_cmp")
-    elif kind == "hca":
-        ratio = config.compress_ratios[layer]
-        columns = int(plan.visible[ratio][lo:hi].max(initial=0))
-        if columns > 0:  # HCA dense: every visible entry through the request's table
-            cmp_rows = run_entry_rows(q_pos, request, batch.tables["hca_cmp"], None, ring=pools["hca_cmp"].is_ring,
-                                      ratio=ratio, columns=columns, table_name=TABLE_FIELDS["hca_cmp"]).values[-1]
-            cmp_pool = caches.pool("hca_cmp")
-    o = run_sparse_attention(q, window, cmp_rows, caches.ori, cmp_pool, w.attn_sink, q_cos, q_sin,
-                             scale=config.softmax_scale).values[-1].astype(np.float32)
-    out = run_o_proj(o.reshape(o.shape[0], -1), w.wo_a, w.wo_b, _given(w.wo_b_scale, "wo_b scale"),
-                     config.o_groups).values[-1]
-    out = out.astype(np.float32)
-    out[request < 0] = 0
-    return out, ids
+        return run_o_proj(o, weights.wo_a, weights.wo_b, _given(weights.wo_b_scale, "wo_b scale"),
+                          plan.config.o_groups).values[-1].astype(np.float32)
 
 
 def _given(value: T | None, what: str) -> T:
@@ -318,3 +186,17 @@ def _given(value: T | None, what: str) -> T:
     if value is None:
         raise ValueError(f"the a2a3 weights of this layer lack the {what}")
     return value
+
+
+def __getattr__(name: str) -> Any:
+    """``PyptoAttention`` (deprecated for one minor version): :class:`~dspark_kernels.pypto.backend.PyptoBackend`."""
+    if name == "PyptoAttention":
+        from dspark_kernels.pypto.backend import PyptoBackend
+
+        warnings.warn("dspark_kernels.pypto.attention.PyptoAttention is deprecated: use "
+                      "dspark_kernels.pypto.backend.PyptoBackend", DeprecationWarning, stacklevel=2)
+        return PyptoBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["HcMix", "PyptoStages", "attend_in_process", "attention_pypto"]

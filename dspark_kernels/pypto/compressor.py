@@ -39,8 +39,9 @@ import ml_dtypes
 import numpy as np
 
 from dspark_abi import ABIError
-from dspark_kernels.model.checks import check_window_coverage
-from dspark_kernels.model.geometry import OVERLAP_RATIO, boundary_rows, coff, window_positions, window_span
+from dspark_kernels.model.checks import coverage_issues
+from dspark_kernels.model.geometry import OVERLAP_RATIO, coff, window_positions, window_span, window_state_rows
+from dspark_kernels.model.plan import StateWindows
 from dspark_kernels.model.prepared import PreparedCompressor
 from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rms_norm, rope_rows, table_rows, tile
 from dspark_kernels.pypto.index_guard import check_table, table_issues
@@ -248,22 +249,26 @@ def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.nda
 def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
                   state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor, cos: np.ndarray,
                   sin: np.ndarray, *, page_size: int, eps: float, ring: bool, hadamard: np.ndarray | None = None,
-                  boundaries: np.ndarray | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+                  windows: StateWindows | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """One compressor over a TP group's rows through pypto; **mutates** ``state_pool`` (the ring).
 
     x [P, X] (bf16 values); positions, request [P] (-1 padding); state_slots [P] int64 (-1 = no write);
     state_table [R, width] int32 (ring: ``PoolLayout.is_ring`` of the state pool, True in the ABI: page
     ``i // page_size`` in column ``(i // page_size) % width``; the coverage check reads it as a ring table too);
     state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor`` (a2a3); cos, sin [P, rd/2] at each
-    row's window start; boundaries: the plan's boundary rows of this ratio (derived from positions and request
-    when None). Returns (boundary rows b [B] int64, outputs):
+    row's window start; windows: the plan's boundary rows and window state rows of this state pool (looked up
+    from positions, request and state_table when None; the pooling kernel looks the rows up again in-kernel).
+    Returns (boundary rows b [B] int64, outputs):
     outputs = (entries [B, d] float32 bf16 values,) or, with ``hadamard``, (idx [B, d] int8, idx_scale [B]).
     Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped, and
     ``kernel.index_range`` if the pooling kernel's fp32 indices would round.
     """
     ratio = weights.ratio
-    b = boundary_rows(positions, request, ratio) if boundaries is None else np.asarray(boundaries, np.int64)
-    issues = check_window_coverage(positions, request, state_table, ratio, page_size, "state_table", b)
+    if windows is None:
+        b, state_rows = window_state_rows(positions, request, state_table, ratio, page_size)
+    else:
+        b, state_rows = windows.boundaries, windows.rows
+    issues = coverage_issues(positions, np.asarray(request), b, state_rows, ratio, "state_table")
     issues += table_issues("state_table", state_table, page_size, positions, ring=ring)
     if issues:
         raise ABIError(issues)

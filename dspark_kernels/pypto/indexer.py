@@ -94,7 +94,8 @@ def _select(score: Any, topk: int, rounds: int) -> tuple[Any, Any]:
     descending order, so their concatenation is the sorted top-k.
     """
     if rounds == 1:
-        return pypto.topk(score, topk, -1, True)
+        best: tuple[Any, Any] = pypto.topk(score, topk, -1, True)
+        return best
     per_round = topk // rounds
     values, picked = [], []
     for _ in range(rounds):

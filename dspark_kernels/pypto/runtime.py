@@ -263,13 +263,13 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
+        return np.asarray(tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    return np.asarray(tensor.numpy())
 
 
 def _unwritten(array: np.ndarray) -> np.ndarray:
     if array.dtype.kind in "iu":
-        return array == np.iinfo(array.dtype).min
+        return np.asarray(array == np.iinfo(array.dtype).min)
     return np.isnan(array.astype(np.float32))
 
 

@@ -1,18 +1,11 @@
 """`attention`: the whole attention module of one layer over a packed batch (SWA, CSA and HCA layers).
 
-Order (upstream's CSA / HCA layer assembly; DeepSeek-V4 ``Attention.forward``):
-
-1. KV side, over all P group rows (every TP rank recomputes it, as upstream's DSA-CP does):
-   shared kv -> ``ori`` cache write; compressor -> ``csa_cmp`` / ``hca_cmp`` writes (state ring first);
-   CSA: indexer compressor -> ``idx`` writes. All writes happen before any read below.
-2. Query side, over the plan's query rows (all P, or one rank's L), in blocks of ``QUERY_BLOCK`` rows:
-   q path; CSA: indexer queries and top-k over the request's own visible entries; window rows through the
-   request's ori table; HCA: every visible entry ``c < (p + 1) // 128``; sparse attention; grouped o-proj.
+The order of the stages (upstream's CSA / HCA layer assembly; DeepSeek-V4 ``Attention.forward``) is the model
+layer's one orchestrator, :func:`~dspark_kernels.model.backends.run_attention`; this module holds the reference's
+stage set it drives (:class:`ReferenceStages`, the query side in blocks of ``QUERY_BLOCK`` rows), the checked
+entry for one layer of a batch (:func:`attention`) and :func:`attend`, the reference backend's attention stage.
 
 Padding rows (request -1) give zero output rows and write nothing (their slots are -1).
-
-:func:`attention` is the checked entry for one layer of a batch; :func:`attend` is the reference
-:class:`~dspark_kernels.model.backends.AttentionBackend` a forward calls with the batch's plan.
 """
 
 from __future__ import annotations
@@ -21,21 +14,20 @@ import numpy as np
 
 from dspark_abi import PackedBatch
 from dspark_kernels.model.attention_weights import AttentionWeights
+from dspark_kernels.model.backends import KeyRows, QueryPath, run_attention
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
 from dspark_kernels.model.geometry import INDEX_RATIO
-from dspark_kernels.model.numerics import check_precision, narrow
+from dspark_kernels.model.numerics import check_precision
 from dspark_kernels.model.plan import BatchPlan
-from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
+from dspark_kernels.model.prepared import PreparedCompressor, PreparedWeights, PreparedWeightsCache, prepared_for
 from dspark_kernels.reference.compressor import compress, compress_index_keys
-from dspark_kernels.reference.entry_rows import chosen_entry_rows, visible_entry_rows
-from dspark_kernels.reference.indexer import index_query, lightning_topk
-from dspark_kernels.reference.lowering import local_request_ids
+from dspark_kernels.reference.entry_rows import chosen_entry_rows
+from dspark_kernels.reference.indexer import IndexCandidates, index_query, lightning_topk
 from dspark_kernels.reference.o_proj import output_projection
 from dspark_kernels.reference.paged import scatter_rows
 from dspark_kernels.reference.projections import low_rank_query, query_heads, shared_kv
 from dspark_kernels.reference.sparse_attention import sparse_attention
-from dspark_kernels.reference.window import window_rows
 
 #: Query rows per block of the query side (bounds the [rows, H*D] q and o intermediates).
 QUERY_BLOCK = 256
@@ -63,74 +55,87 @@ def attention(batch: PackedBatch, layer: int, x: np.ndarray, weights: AttentionW
     return attend(plan, layer, x, w, caches)
 
 
+class ReferenceStages:
+    """The reference's :class:`~dspark_kernels.model.backends.AttentionStages` (numpy, every precision)."""
+
+    query_block: int = QUERY_BLOCK
+
+    def shared_kv(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                  caches: LayerCaches) -> None:
+        rope = plan.rope[plan.config.layer_kind(layer)]
+        kv = shared_kv(x, weights, rope.cos, rope.sin, plan.config.rms_norm_eps, plan.precision)
+        scatter_rows(caches.ori, plan.batch.slots["ori"], kv)
+
+    def compress(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                 caches: LayerCaches) -> None:
+        batch, config = plan.batch, plan.config
+        kind = config.layer_kind(layer)
+        start = plan.window_rope[config.compress_ratios[layer]]
+        state = f"{kind}_state"
+        b, entries = compress(x, plan.positions, plan.request, batch.slots[state], batch.tables[state],
+                              caches.pool(state), _given(weights.compressor), start.cos, start.sin,
+                              page_size=config.layout.pools[state].page_size, eps=config.rms_norm_eps,
+                              precision=plan.precision, windows=plan.state_windows[state])
+        scatter_rows(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries)
+
+    def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
+                            caches: LayerCaches) -> None:
+        batch, config = plan.batch, plan.config
+        start = plan.window_rope[config.compress_ratios[layer]]
+        compress_index_keys(x, plan.positions, plan.request, batch.slots["csa_inner_state"],
+                            batch.tables["csa_inner_state"], caches.pool("csa_inner_state"), batch.slots["idx"],
+                            caches.pool("idx"), caches.pool("idx_scale"), weights, start.cos, start.sin,
+                            eps=config.rms_norm_eps, precision=plan.precision,
+                            windows=plan.state_windows["csa_inner_state"])
+
+    def query(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, weights: PreparedWeights
+              ) -> QueryPath:
+        config = plan.config
+        cos, sin = plan.rope[config.layer_kind(layer)].rows(rows.start, rows.stop)        # (T, rd/2)
+        lrq = low_rank_query(x[rows], weights, config.rms_norm_eps, plan.precision)
+        q = query_heads(lrq, weights, cos, sin, config.num_attention_heads, config.rms_norm_eps, plan.precision)
+        return QueryPath(q=q, low_rank=lrq)                                               # q: (T, H, D)
+
+    def index_topk(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, query: QueryPath,
+                   weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+        config = plan.config
+        lo, hi = rows.start, rows.stop
+        cos, sin = plan.rope[config.layer_kind(layer)].rows(lo, hi)
+        iq = index_query(query.low_rank, x[rows], weights, cos, sin, config.index_n_heads,
+                         config.index_weight_scale, plan.precision)
+        candidates = IndexCandidates(plan.visible[INDEX_RATIO][rows], plan.entry_rows_in("idx", lo, hi))
+        return lightning_topk(iq, plan.positions[rows], plan.request[rows], plan.batch.tables["idx"],
+                              caches.pool("idx"), caches.pool("idx_scale"), topk=config.index_topk,
+                              precision=plan.precision, runs=plan.runs_in(lo, hi), candidates=candidates)
+
+    def chosen_entry_rows(self, plan: BatchPlan, rows: slice, entries: np.ndarray) -> np.ndarray:
+        return chosen_entry_rows(entries, plan.request[rows], plan.batch.tables["csa_cmp"])
+
+    def sparse_attention(self, plan: BatchPlan, layer: int, rows: slice, query: QueryPath, keys: KeyRows,
+                         weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
+        config = plan.config
+        cos, sin = plan.rope[config.layer_kind(layer)].rows(rows.start, rows.stop)
+        pool = None if keys.pool is None else caches.pool(keys.pool)
+        return sparse_attention(query.q, plan.request[rows], keys.window, caches.ori, keys.compressed, pool,
+                                weights.attn_sink, cos, sin, scale=config.softmax_scale, precision=plan.precision,
+                                runs=plan.runs_in(rows.start, rows.stop))
+
+    def output_projection(self, plan: BatchPlan, o: np.ndarray, weights: PreparedWeights) -> np.ndarray:
+        return output_projection(o, weights, plan.precision)
+
+
 def attend(plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
-    """The reference :class:`~dspark_kernels.model.backends.AttentionBackend`: layer ``layer`` over ``plan``.
+    """The reference backend's attention stage: layer ``layer`` over ``plan`` (the model layer's orchestrator
+    :func:`~dspark_kernels.model.backends.run_attention` with :class:`ReferenceStages`).
 
     x [P, hidden] float32; weights prepared in ``plan.precision``; caches written in place. Returns
     [rows, hidden] for the plan's query rows. Inputs are not checked here (see :func:`attention`).
     """
-    batch, config = plan.batch, plan.config
-    kind = config.layer_kind(layer)
-    prec = plan.precision
-    xn = narrow(x, prec)  # the a2a3 kernels and the official inference receive bf16 hidden rows
-    eps = config.rms_norm_eps
-    w = weights
-
-    # ---- KV side: all P group rows, writes before reads
-    rope = plan.rope[kind]
-    scatter_rows(caches.ori, batch.slots["ori"], shared_kv(xn, w, rope.cos, rope.sin, eps, prec))
-    if kind != "swa" and w.compressor is not None:
-        ratio = config.compress_ratios[layer]
-        start = plan.window_rope[ratio]
-        state = f"{kind}_state"
-        b, entries = compress(xn, plan.positions, plan.request, batch.slots[state], batch.tables[state],
-                              caches.pool(state), w.compressor, start.cos, start.sin,
-                              page_size=config.layout.pools[state].page_size, eps=eps, precision=prec,
-                              boundaries=plan.boundaries[ratio])
-        scatter_rows(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries)
-        if kind == "csa":
-            compress_index_keys(xn, plan.positions, plan.request, batch.slots["csa_inner_state"],
-                                batch.tables["csa_inner_state"], caches.pool("csa_inner_state"), batch.slots["idx"],
-                                caches.pool("idx"), caches.pool("idx_scale"), w, start.cos, start.sin, eps=eps,
-                                precision=prec,
-                                boundaries=plan.boundaries[INDEX_RATIO])
-
-    # ---- query side: the plan's query rows
-    lo, hi = plan.row_start, plan.row_stop
-    request = local_request_ids(plan)
-    out = np.zeros((hi - lo, config.hidden_size), dtype=np.float32)
-    for start_row in range(lo, hi, QUERY_BLOCK):
-        stop_row = min(start_row + QUERY_BLOCK, hi)
-        if not plan.runs_in(start_row, stop_row):
-            continue  # padding rows only
-        out[start_row - lo:stop_row - lo] = _query_block(plan, layer, xn, start_row, stop_row,
-                                                         request[start_row - lo:stop_row - lo], w, caches)
-    return out
+    return run_attention(ReferenceStages(), plan, layer, x, weights, caches)
 
 
-def _query_block(plan: BatchPlan, layer: int, xn: np.ndarray, lo: int, hi: int, request: np.ndarray,
-                 w: PreparedWeights, caches: LayerCaches) -> np.ndarray:
-    """Output rows [T, hidden] of the T consecutive query rows ``[lo, hi)`` (zero on padding rows)."""
-    batch, config = plan.batch, plan.config
-    kind = config.layer_kind(layer)
-    prec = plan.precision
-    eps = config.rms_norm_eps
-    x, positions, runs = xn[lo:hi], plan.positions[lo:hi], plan.runs_in(lo, hi)
-    cos, sin = plan.rope[kind].rows(lo, hi)                                          # (T, rd/2)
-    lrq = low_rank_query(x, w, eps, prec)
-    q = query_heads(lrq, w, cos, sin, config.num_attention_heads, eps, prec)         # (T, H, D)
-    window = window_rows(positions, request, batch.tables["ori"], config.sliding_window)  # (T, W)
-    cmp_rows, cmp_pool = None, None
-    if kind == "csa":
-        iq = index_query(lrq, x, w, cos, sin, config.index_n_heads, config.index_weight_scale, prec)
-        top = lightning_topk(iq, positions, request, batch.tables["idx"], caches.pool("idx"), caches.pool("idx_scale"),
-                             topk=config.index_topk, precision=prec, runs=runs)
-        cmp_rows, cmp_pool = chosen_entry_rows(top, request, batch.tables["csa_cmp"]), caches.pool("csa_cmp")
-    elif kind == "hca":
-        visible = plan.visible[config.compress_ratios[layer]][lo:hi]
-        cmp_rows, cmp_pool = visible_entry_rows(visible, request, batch.tables["hca_cmp"]), caches.pool("hca_cmp")
-    o = sparse_attention(q, request, window, caches.ori, cmp_rows, cmp_pool, w.attn_sink, cos, sin,
-                         scale=config.softmax_scale, precision=prec, runs=runs)
-    out = output_projection(o.reshape(o.shape[0], -1), w, prec)
-    out[request < 0] = 0
-    return out
+def _given(compressor: PreparedCompressor | None) -> PreparedCompressor:
+    """The compressor of a CSA / HCA layer (the orchestrator calls ``compress`` only when there is one)."""
+    if compressor is None:
+        raise ValueError("this layer's weights have no compressor")
+    return compressor

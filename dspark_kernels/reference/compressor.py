@@ -28,8 +28,9 @@ FP8-fake-quantise the non-RoPE dims (:func:`~dspark_kernels.model.deepseek_numer
 indexer's rotates and FP4-fake-quantises all dI dims
 (:func:`~dspark_kernels.model.deepseek_numerics.index_fake_quant`), stored as float32 with scale 1.0.
 
-Boundary rows come from the batch's plan (``boundaries=``); called on bare arrays, a stage derives them
-(:func:`~dspark_kernels.model.geometry.boundary_rows`).
+Boundary rows and their windows' state rows come from the batch's plan (``windows=``, the plan's
+:class:`~dspark_kernels.model.plan.StateWindows` of the state pool); called on bare arrays, a stage looks them up
+(:func:`~dspark_kernels.model.geometry.window_state_rows`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.checks import coverage_issues
 from dspark_kernels.model.geometry import OVERLAP_RATIO, window_state_rows
 from dspark_kernels.model.numerics import Precision, bf16_round, int8_quantize, linear, narrow, rms_norm
+from dspark_kernels.model.plan import StateWindows
 from dspark_kernels.model.prepared import PreparedCompressor, PreparedWeights
 from dspark_kernels.model.rope import apply_rope
 from dspark_kernels.reference.paged import gather_rows, scatter_rows
@@ -54,7 +56,7 @@ POOL_TILE = 512
 def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
              state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor,
              cos: np.ndarray, sin: np.ndarray, *, page_size: int, eps: float,
-             precision: Precision, boundaries: np.ndarray | None = None,
+             precision: Precision, windows: StateWindows | None = None,
              rotate: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Run one compressor over a TP group's rows; writes the state ring, returns the new entries.
 
@@ -62,8 +64,8 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
     state_slots: [P] int64 state-pool row of each token (-1 = no write); state_table: [R, width] int32;
     state_pool: [rows, 2*coff*d] float32, **mutated** (the ``[kv | score]`` rows of every live token);
     cos, sin: [P, rd/2] RoPE at each row's window start
-    (:func:`~dspark_kernels.model.geometry.window_start_positions`). boundaries: the plan's boundary rows of
-    this ratio (derived from positions and request when None). rotate: the indexer's key compressor (official
+    (:func:`~dspark_kernels.model.geometry.window_start_positions`). windows: the plan's windows of this state
+    pool (looked up from positions, request and state_table when None). rotate: the indexer's key compressor (official
     ``Compressor(rotate=True)``): no FP8 KV fake quant in deepseek (:func:`compress_index_keys` rotates instead).
     Returns (boundary rows [B] int64 into the P rows, entries [B, d] float32; bf16 values in a2a3 and deepseek,
     FP8-fake-quantised non-RoPE dims in deepseek unless ``rotate``).
@@ -71,7 +73,8 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
     """
     ratio, d = weights.ratio, weights.dim
     request = np.asarray(request)
-    b, rows = window_state_rows(positions, request, state_table, ratio, page_size, boundaries)
+    b, rows = (window_state_rows(positions, request, state_table, ratio, page_size) if windows is None
+               else (windows.boundaries, windows.rows))
     issues = coverage_issues(positions, request, b, rows, ratio, "state_table")
     if issues:
         raise ABIError(issues)
@@ -112,17 +115,17 @@ def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarra
                         state_table: np.ndarray, state_pool: np.ndarray, idx_slots: np.ndarray,
                         idx_pool: np.ndarray, idx_scale_pool: np.ndarray, w: PreparedWeights,
                         cos: np.ndarray, sin: np.ndarray, *, eps: float, precision: Precision,
-                        boundaries: np.ndarray | None = None) -> None:
+                        windows: StateWindows | None = None) -> None:
     """Indexer compressor over a TP group's rows; **mutates** the inner state, idx and idx_scale pools.
 
     x [P, X]; positions, request [P]; state_slots, idx_slots [P] int64 (-1 = no write); state_table [R, w];
     state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32 and deepseek); idx_scale_pool [rows];
-    cos, sin [P, rd/2] at each row's window start; boundaries: the plan's ratio-4 boundary rows (or None).
+    cos, sin [P, rd/2] at each row's window start; windows: the plan's ``csa_inner_state`` windows (or None).
     """
     if w.idx_compressor is None or w.idx_hadamard is None:
         raise ValueError("compress_index_keys needs CSA weights (indexer compressor and Hadamard)")
     b, y = compress(x, positions, request, state_slots, state_table, state_pool, w.idx_compressor, cos, sin,
-                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, boundaries=boundaries,
+                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, windows=windows,
                     rotate=True)
     z = ds.index_fake_quant(y) if precision == "deepseek" else y @ w.idx_hadamard     # (B, dI)
     slots = np.asarray(idx_slots)[b]

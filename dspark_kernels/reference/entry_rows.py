@@ -14,13 +14,15 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_abi.layout import KV_PAGE_SIZE, physical_rows
+from dspark_kernels.model import plan
 
 
 def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray,
                        page_size: int = KV_PAGE_SIZE) -> np.ndarray:
-    """[T, Vmax] int64 rows of entries ``c < visible[t]`` (visible: [T] counts, 0 on padding rows); -1 beyond."""
-    c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
-    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
+    """[T, Vmax] int64 rows of entries ``c < visible[t]`` (visible: [T] counts, 0 on padding rows); -1 beyond.
+
+    A forward reads these rows from its plan (``BatchPlan.entry_rows``, computed once per batch)."""
+    return plan.visible_entry_rows(visible, request, table, page_size)
 
 
 def chosen_entry_rows(entries: np.ndarray, request: np.ndarray, table: np.ndarray,

@@ -74,7 +74,7 @@ class HcPre:
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     """Overflow-free logistic function."""
-    return np.exp(-np.logaddexp(np.float32(0), -z)).astype(np.float32)
+    return np.asarray(np.exp(-np.logaddexp(np.float32(0), -z)).astype(np.float32))
 
 
 def _mixes(x_hc: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
@@ -82,14 +82,14 @@ def _mixes(x_hc: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
     flat = x_hc.reshape(x_hc.shape[0], -1)  # (T, hc*D)
     mean_sq = np.einsum("tk,tk->t", flat, flat, dtype=np.float32) / np.float32(flat.shape[1])
     rho = (1.0 / np.sqrt(mean_sq + np.float32(norm_eps))).astype(np.float32)
-    return (flat @ fn.T) * rho[:, None]  # (T, mix)
+    return np.asarray((flat @ fn.T) * rho[:, None])  # (T, mix)
 
 
 def kernel_sigmoid(z: np.ndarray) -> np.ndarray:
     """The a2a3 kernels' logistic function ``1 / (1 + exp(-z))`` in fp32 (exp overflows to inf for z < -88: 0)."""
     z = np.asarray(z, dtype=np.float32)
     with np.errstate(over="ignore"):
-        return (np.float32(1) / (np.exp(-z) + np.float32(1))).astype(np.float32)
+        return np.asarray((np.float32(1) / (np.exp(-z) + np.float32(1))).astype(np.float32))
 
 
 def pair_sum(v: np.ndarray, axis: int) -> np.ndarray:
@@ -129,10 +129,10 @@ def split_sinkhorn(mixes: np.ndarray, scale: np.ndarray, base: np.ndarray, *, hc
         sig = sigmoid
 
         def rows(c: np.ndarray) -> np.ndarray:
-            return c.sum(axis=-1, keepdims=True)
+            return np.asarray(c.sum(axis=-1, keepdims=True))
 
         def cols(c: np.ndarray) -> np.ndarray:
-            return c.sum(axis=-2, keepdims=True)
+            return np.asarray(c.sum(axis=-2, keepdims=True))
     pre = sig(mixes[:, :hc] * scale[0] + base[:hc]) + eps32
     post = np.float32(2) * sig(mixes[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = (mixes[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc)  # (T, in, out)
@@ -169,7 +169,7 @@ def a2a3_inv_rms(flat: np.ndarray, k: int, norm_eps: float) -> np.ndarray:
         sq = sq[..., :half] + sq[..., half:]
     ssq = np.add.accumulate(sq[..., 0], axis=1)[:, -1]              # sequential over chunks
     mean_sq = ssq * np.float32(1.0 / k) + np.float32(norm_eps)
-    return (np.float32(1) / np.sqrt(mean_sq)).astype(np.float32)
+    return np.asarray((np.float32(1) / np.sqrt(mean_sq)).astype(np.float32))
 
 
 def cube_mixes(flat: np.ndarray, fn: np.ndarray) -> np.ndarray:
@@ -189,7 +189,7 @@ def cube_mixes(flat: np.ndarray, fn: np.ndarray) -> np.ndarray:
         xg = x4[:, :, g, :].transpose(1, 0, 2).astype(np.float64)                  # (slice, T, 4)
         wg = w4[:, :, g, :].transpose(1, 2, 0).astype(np.float64)                  # (slice, 4, M)
         acc = (acc + np.matmul(xg, wg)).astype(np.float32)  # exact products; one rounding into fp32
-    return np.add.accumulate(acc, axis=0)[-1]                                     # ((s0 + s1) + s2) + s3
+    return np.asarray(np.add.accumulate(acc, axis=0)[-1])                                     # ((s0 + s1) + s2) + s3
 
 
 def hc_pre(x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision = "fp32") -> HcPre:
@@ -233,7 +233,7 @@ def hc_post(out: np.ndarray, x_hc: np.ndarray, post: np.ndarray, comb: np.ndarra
         mixed = post[:, :, None] * out[:, None, :]                       # (T, hc, D)
         for i in range(x_hc.shape[1]):
             mixed = mixed + comb[:, i, :, None] * x_hc[:, i, None, :]
-        return mixed.astype(np.float32)
+        return np.asarray(mixed.astype(np.float32))
     mixed = np.einsum("tio,tid->tod", comb, x_hc, dtype=np.float32)  # (T, hc, D)
     mixed += post[:, :, None] * out[:, None, :]
     return bf16_round(mixed) if precision == "deepseek" else mixed

@@ -61,6 +61,19 @@ class IndexerQuery:
         return IndexerQuery(self.q[lo:hi], self.q_scale[lo:hi], self.weights[lo:hi])
 
 
+@attrs.frozen(eq=False)
+class IndexCandidates:
+    """The plan's candidate lookups of T query rows (:meth:`~dspark_kernels.model.plan.BatchPlan.entry_rows_in`).
+
+    visible: [T] int64 idx entries each row sees, ``(p + 1) // 4`` (0 on padding rows), the plan's ``visible[4]``.
+    rows: [T, C] int64 physical idx rows of those entries through the row's request's table (-1 beyond a row's
+    count or unmapped), C = max(visible).
+    """
+
+    visible: np.ndarray
+    rows: np.ndarray
+
+
 def index_query(lrq: LowRankQuery, x: np.ndarray, w: PreparedWeights, cos: np.ndarray, sin: np.ndarray,
                 heads: int, weight_scale: float, precision: Precision) -> IndexerQuery:
     """Indexer queries of query rows: lrq over T rows, x [T, X], cos/sin [T, rd/2] at the rows' positions."""
@@ -90,17 +103,19 @@ def index_scores(query: IndexerQuery, keys: np.ndarray, key_scale: np.ndarray, p
         return narrow(weighted.sum(axis=1, dtype=np.float32), precision)                     # (T, C)
     dots = int8_matmul(flat, keys) if precision == "a2a3" else linear(flat, keys)        # (T*HI, C)
     relu = np.maximum(dots.reshape(t, heads, -1) * query.q_scale[:, :, None], 0)     # (T, HI, C)
-    return np.matmul(query.weights[:, None, :], relu)[:, 0, :] * key_scale[None, :]  # (T, C)
+    return np.asarray(np.matmul(query.weights[:, None, :], relu)[:, 0, :] * key_scale[None, :])  # (T, C)
 
 
 def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarray, idx_table: np.ndarray,
                    idx_pool: np.ndarray, idx_scale_pool: np.ndarray, *, topk: int,
-                   precision: Precision, runs: Sequence[Run] | None = None) -> np.ndarray:
+                   precision: Precision, runs: Sequence[Run] | None = None,
+                   candidates: IndexCandidates | None = None) -> np.ndarray:
     """Top-k compressed entries of every query row, from its own request's visible entries only.
 
     query over T rows; positions, request [T] (-1 padding); idx_table [R, width]; idx_pool [rows, dI];
     idx_scale_pool [rows]; runs: the rows' request runs (the plan's,
-    :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived from ``request`` when None). Returns
+    :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived from ``request`` when None); candidates: the
+    plan's visible counts and candidate rows of these rows (looked up from positions and idx_table when None). Returns
     [T, topk] int32 logical entry indices (descending score, ties by lower index), -1 after
     ``min(topk, visible)`` entries and on padding rows. Unmapped entries are never chosen.
     """
@@ -109,11 +124,17 @@ def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarr
     for start, stop, r in request_runs(request) if runs is None else runs:
         if r < 0:
             continue
-        visible = visible_entries(positions[start:stop], INDEX_RATIO)                 # (n,)
+        if candidates is None:
+            visible = visible_entries(positions[start:stop], INDEX_RATIO)             # (n,)
+        else:
+            visible = candidates.visible[start:stop]
         count = int(visible.max())
         if count == 0:
             continue
-        rows = request_rows(idx_table[r], np.arange(count), KV_PAGE_SIZE)            # (C,)
+        if candidates is None:
+            rows = request_rows(idx_table[r], np.arange(count), KV_PAGE_SIZE)        # (C,)
+        else:  # the run's widest row sees every entry of the run: its candidate rows are the run's keys
+            rows = candidates.rows[start + int(np.argmax(visible)), :count]
         keys, mapped = gather_rows(idx_pool, rows)                                    # (C, dI)
         key_scale, _ = gather_rows(idx_scale_pool, rows)                              # (C,)
         keys = keys.astype(np.float32)

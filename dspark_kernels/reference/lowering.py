@@ -1,8 +1,8 @@
 """Stage 1 (reference): the request of every query row.
 
-The reference reads the ABI's own answer: ``batch.row_request`` (:func:`dspark_abi.lowering.lower_local_request_ids`
-over all group rows, O(P + R), computed once per batch), through the plan's rows. The pypto backend computes the
-same ids with its kernel from ``query_start_loc`` (:mod:`dspark_kernels.pypto.lowering`), once per plan.
+Both backends read the ABI's own answer, ``batch.row_request`` (the batch's request record, computed once per
+batch), through the plan's rows. The pypto kernel :mod:`dspark_kernels.pypto.lowering` computes the same ids from
+``query_start_loc`` on the device and is checked against them; a forward does not run it.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ def request_rows(table_row: np.ndarray, logical: np.ndarray, page_size: int, *, 
     """Physical rows [K] int64 of logical indices [K] through ONE request's table row [width]; -1 if unmapped.
 
     ring: the row is a ring table's (ori, state pools); the default suits the compressed pools."""
-    return physical_rows(table_row[None, :], np.zeros(1, np.int64), np.asarray(logical)[None, :], page_size,
-                         ring=ring)[0]
+    rows: np.ndarray = physical_rows(table_row[None, :], np.zeros(1, np.int64), np.asarray(logical)[None, :],
+                                     page_size, ring=ring)
+    return np.asarray(rows[0])
 
 
 def scatter_rows(pool: np.ndarray, slots: np.ndarray, values: np.ndarray) -> None:

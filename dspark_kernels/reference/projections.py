@@ -49,7 +49,7 @@ class LowRankQuery:
             return ds.linear(self.qr, weight, name, self.fp8)
         if scale is None or self.qr_q is None or self.qr_scale is None:
             return linear(self.qr, weight)
-        return int8_matmul(self.qr_q, weight) * self.qr_scale[:, None] * scale[None, :]
+        return np.asarray(int8_matmul(self.qr_q, weight) * self.qr_scale[:, None] * scale[None, :])
 
 
 def low_rank_query(x: np.ndarray, w: PreparedWeights, eps: float, precision: Precision) -> LowRankQuery:

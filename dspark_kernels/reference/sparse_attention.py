@@ -84,7 +84,7 @@ def _attend_tile(q: np.ndarray, keys: np.ndarray, member: np.ndarray, own: np.nd
         o += np.matmul(pv[:, :, shared:], own)                                        # (t, H, D)
     o /= denom
     o[~has_keys[:, :, 0]] = 0
-    return o
+    return np.asarray(o)
 
 
 def sparse_attention(q: np.ndarray, request: np.ndarray, window_rows: np.ndarray, ori_pool: np.ndarray,

@@ -1,7 +1,7 @@
 """Row tiling helpers of the reference stages: fixed-size tiles inside a range, and request runs of bare rows.
 
 The attention hands its stages the runs of its plan (:meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`,
-derived once from ``query_start_loc``); :func:`request_runs` serves a stage called on bare arrays only (a
+the batch's request record); :func:`request_runs` serves a stage called on bare arrays only (a
 test, a benchmark), where no batch exists to take the runs from.
 """
 

@@ -19,28 +19,28 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-import dspark_kernels.pypto
+import dspark_kernels.pypto.backend
 from dspark_abi.presets import TINY
 from dspark_kernels.cli import app as cli
 from dspark_kernels.cli import progress
 from dspark_kernels.model import weights as mw
 from dspark_kernels.model.weight_specs import weight_specs
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.reference.attention import attend
+from dspark_kernels.reference.backend import ReferenceBackend
 
 #: File the recording attention appends one line per call to (an environment variable reaches rank processes).
 PROBE_ENV = "DSPARK_TEST_ATTENTION_PROBE"
 
 
-class RecordingAttention:
-    """Stands in for ``dspark_kernels.pypto.PyptoAttention``: records (pid, rank, layer), computes with the
-    reference in the numerics the kernels implement (the plan and weights are a2a3). Module level, so spawned
-    rank processes can unpickle it."""
+class RecordingAttention(ReferenceBackend):
+    """Stands in for ``dspark_kernels.pypto.backend.PyptoBackend``: its attention records (pid, rank, layer);
+    every stage computes with the reference in the numerics the kernels implement (the plan and weights are
+    a2a3). Module level, so spawned rank processes can unpickle it."""
 
-    def __call__(self, plan, layer, x, weights, caches):  # type: ignore[no-untyped-def]
+    def attention(self, plan, layer, x, weights, caches):  # type: ignore[no-untyped-def]
         with open(os.environ[PROBE_ENV], "a") as f:
             f.write(f"{os.getpid()} {plan.rank} {layer}\n")
-        return attend(plan, layer, x, weights, caches)
+        return super().attention(plan, layer, x, weights, caches)
 
 
 def invoke(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -76,7 +76,7 @@ def probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "attention-calls.txt"
     path.touch()
     monkeypatch.setenv(PROBE_ENV, str(path))
-    monkeypatch.setattr(dspark_kernels.pypto, "PyptoAttention", RecordingAttention)
+    monkeypatch.setattr(dspark_kernels.pypto.backend, "PyptoBackend", RecordingAttention)
     return path
 
 
@@ -223,7 +223,7 @@ def test_pypto_tooling_missing_in_the_kernel_process_names_it(capsys, monkeypatc
     def unavailable(*_args, **_kwargs):  # type: ignore[no-untyped-def]
         raise PyptoUnavailableError("pypto's CPU simulation needs g++ on PATH (apt-get install g++ binutils cmake)")
 
-    monkeypatch.setattr(dspark_kernels.pypto, "PyptoAttention", unavailable)
+    monkeypatch.setattr(dspark_kernels.pypto.backend, "PyptoBackend", unavailable)
     code, _, err = invoke(capsys, "--request", "3@0", "--backend", "pypto", "--precision", "a2a3", "--no-progress")
     one_line_error(code, err, 2, "--backend pypto", "apt-get install g++")
 

@@ -85,7 +85,7 @@ def test_inactive_group_runs_no_stage(weights):
         raise AssertionError("an attention stage ran for an inactive group")
 
     result = run_forward(batch, np.zeros(0, np.int64), weights, ModelCaches.allocate(TINY, alloc.pool_blocks),
-                         attention=boom)
+                         backend=boom)
     assert result.sampled.tolist() == [-1, -1, -1]
 
 

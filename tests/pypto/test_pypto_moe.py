@@ -18,7 +18,7 @@ from tolerances import BF16_RTOL, MAX_DIFFERING_FRACTION  # output: measured no 
 from dspark_abi import ABIError
 from dspark_kernels.model.numerics import bf16_round
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.pypto import PyptoAttention
+from dspark_kernels.pypto import PyptoBackend
 from dspark_kernels.pypto.isolate import run_isolated
 from dspark_kernels.pypto.moe import PAIR_TILE, ExpertTiles, run_moe
 from dspark_kernels.reference.moe import moe as reference_moe
@@ -98,10 +98,10 @@ def test_moe_kernels_match_the_a2a3_reference():
 
 def test_the_backend_runs_both_kernels_in_child_processes():
     x, w, norm, ids, live = _case(2, 0)
-    got = PyptoAttention().moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="a2a3")
+    got = PyptoBackend().moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="a2a3")
     _check_output(got, reference_moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="a2a3"), live)
     with pytest.raises(ValueError, match="a2a3"):
-        PyptoAttention().moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="fp32")
+        PyptoBackend().moe(x, w, CONFIG, norm=norm, token_ids=ids, live=live, precision="fp32")
 
 
 def test_routed_experts_split_over_several_calls_give_the_same_output():
