@@ -116,7 +116,7 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     if isinstance(batch, PackedBatch) and run is not None:
         # every check that keeps the snapshot and the layers from indexing a pool out of bounds, before any read
         if not isinstance(caches, ModelCaches):
-            issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",
+            issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",  # type: ignore[unreachable]  # runtime guard
                                 expected="ModelCaches", actual=type(caches).__name__))
         elif precision in PRECISIONS:
             issues += caches.issues_for(batch, precision, run)
@@ -140,7 +140,7 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
 def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int] | None, list[Issue]]:
     """The layer indices to run (None if ``layers`` is unusable) and the issues of ``layers``."""
     if not isinstance(batch, PackedBatch):
-        return None, []  # reported by _check
+        return None, []  # type: ignore[unreachable]  # a runtime guard for untyped callers (reported by _check)
     n = batch.config.num_layers
     if layers is None:
         return list(range(n)), []
@@ -162,7 +162,7 @@ def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int]
 
 def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backend: str) -> list[Issue]:
     if not isinstance(batch, PackedBatch):
-        return [Issue("array.missing", "batch", "prefill needs a PackedBatch (build it with BatchBuilder)",
+        return [Issue("array.missing", "batch", "prefill needs a PackedBatch (build it with BatchBuilder)",  # type: ignore[unreachable]  # runtime guard
                       expected="PackedBatch", actual=type(batch).__name__)]
     issues: list[Issue] = []
     if backend not in BACKENDS:
@@ -177,7 +177,7 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
     elif arr.dtype.kind in "iu" and arr.shape == (batch.padded_rows,):
         padding_token_issues(issues, batch.policy, batch.num_tokens, arr)    # the policy's rule, as validated
     if not isinstance(weights, ModelWeights):
-        issues.append(Issue("config.mismatch", "weights", "weights must be a ModelWeights",
+        issues.append(Issue("config.mismatch", "weights", "weights must be a ModelWeights",  # type: ignore[unreachable]  # runtime guard
                             expected="ModelWeights", actual=type(weights).__name__))
     elif weights.config == batch.config:
         issues += weights.validate().issues

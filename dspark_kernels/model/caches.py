@@ -235,7 +235,7 @@ class ModelCaches:
         for i in layers:
             lc, field = self.layers[i], f"caches.layers.{i}"
             if not isinstance(lc, LayerCaches):
-                issues.append(Issue("config.mismatch", field, "caches of a layer must be a LayerCaches",
+                issues.append(Issue("config.mismatch", field, "caches of a layer must be a LayerCaches",  # type: ignore[unreachable]  # runtime guard
                                     expected="LayerCaches", actual=type(lc).__name__))
             elif lc.config != self.config or lc.layer != i:
                 issues.append(Issue("config.mismatch", field, "these pools belong to another layer or config",

@@ -99,7 +99,8 @@ def act_quant(x: np.ndarray, block: int = quant.GEMM_ACT_BLOCK) -> np.ndarray:
     (1 x ``block`` along K, floor 1e-4; :func:`~dspark_kernels.model.quant.fp8_gemm_act_quant`), float32 (exact)."""
     def quantise(v: np.ndarray) -> np.ndarray:
         q, s = quant.fp8_act_quant(v, block)
-        return q.astype(np.float32) * np.repeat(s, block, axis=-1)
+        result: np.ndarray = q.astype(np.float32) * np.repeat(s, block, axis=-1)
+        return result
     return _on_padded(quantise, np.asarray(x, dtype=np.float32), block)
 
 

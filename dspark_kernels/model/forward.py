@@ -176,7 +176,7 @@ def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None,
         issues.append(Issue("config.mismatch", "layers", "layers must be distinct indices of the config's schedule",
                             expected=f"distinct values in [0, {cfg.num_layers})", actual=run))
     elif not isinstance(caches, ModelCaches):
-        issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",
+        issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",  # type: ignore[unreachable]  # runtime guard
                             expected="ModelCaches", actual=type(caches).__name__))
     elif not caches_checked:
         issues += caches.issues_for(batch, precision, run)

@@ -108,8 +108,8 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     orientation 1.5-3x faster for few rows against a wide weight (measured on this project's shapes).
     """
     if x.shape[0] < w.shape[0]:
-        return (w @ x.T).T
-    return x @ w.T
+        return np.asarray((w @ x.T).T)
+    return np.asarray(x @ w.T)
 
 
 def int8_matmul(a_q: np.ndarray, b_q: np.ndarray) -> np.ndarray:
@@ -226,4 +226,5 @@ def hadamard(n: int) -> np.ndarray:
         h = np.block([[h, h], [h, -h]])
     out = (h / np.sqrt(np.float32(n))).astype(np.float32)
     out.flags.writeable = False
-    return out
+    result: np.ndarray = out
+    return result

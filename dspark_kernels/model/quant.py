@@ -129,7 +129,8 @@ def _blocks_amax(x: np.ndarray, block: int) -> np.ndarray:
     a = np.abs(x)
     if pad:
         a = np.concatenate([a, np.zeros((*a.shape[:-1], pad), dtype=a.dtype)], axis=-1)
-    return a.reshape((*a.shape[:-1], nb, block)).max(axis=-1)
+    result: np.ndarray = a.reshape((*a.shape[:-1], nb, block)).max(axis=-1)
+    return result
 
 
 def _expand_last(scale: np.ndarray, block: int, k: int) -> np.ndarray:
@@ -257,7 +258,8 @@ def dequant_fp4_blocks(packed: np.ndarray, scale: np.ndarray, block: int = FP4_B
     if inp % block == 0:
         v.reshape(out, -1, block)[...] *= s[:, :, None]
         return v
-    return v * _expand_last(s, block, inp)
+    result: np.ndarray = v * _expand_last(s, block, inp)
+    return result
 
 
 def quant_fp4_blocks(w: np.ndarray, block: int = FP4_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -369,7 +371,8 @@ def fp4_act_fake_quant(x: np.ndarray, block: int = FP4_BLOCK) -> np.ndarray:
         raise ValueError(f"last axis {k} is not a multiple of the block {block} (the official kernel asserts it)")
     s = _expand_last(pow2_scale(_blocks_amax(x, block), E2M1_MAX, FP4_ACT_AMAX_FLOOR), block, k)
     v = np.clip(x / s, -E2M1_MAX, E2M1_MAX).astype(E2M1).astype(np.float32)
-    return v * s
+    result: np.ndarray = v * s
+    return result
 
 
 def hadamard_rotate(x: np.ndarray) -> np.ndarray:

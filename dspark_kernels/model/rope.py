@@ -43,7 +43,8 @@ def inverse_frequencies(config: ModelConfig, kind: LayerKind) -> np.ndarray:
     high = min(math.ceil(correction_dim(scaling.beta_slow)), rd - 1)
     span = (high - low) if high != low else 0.001
     ramp = np.clip((np.arange(rd // 2, dtype=np.float32) - low) / np.float32(span), 0, 1)  # (rd/2,)
-    return (omega / np.float32(scaling.factor) * ramp + omega * (1 - ramp)).astype(np.float32)
+    result: np.ndarray = (omega / np.float32(scaling.factor) * ramp + omega * (1 - ramp)).astype(np.float32)
+    return result
 
 
 @lru_cache(maxsize=16)

@@ -110,7 +110,8 @@ def tensor_entries(source: RandomSource, fmt: TensorFormat, seed: int) -> list[E
     """The stored tensor(s) of ``fmt`` in its shipped kind (a quantised weight brings its ``.scale``)."""
     if fmt.kind == "fp4_block":
         return _fp4_entries(fmt, seed)
-    values = lambda: source.load(fmt.name)  # noqa: E731 (deferred until written)
+    def values() -> np.ndarray:  # deferred until written
+        return source.load(fmt.name)
     if fmt.kind == "int":
         return [Entry(fmt.name, "I32", fmt.shape, lambda: values().astype(np.int32))]
     if fmt.kind == "float":

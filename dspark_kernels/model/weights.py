@@ -89,7 +89,8 @@ class RandomSource:
         spec = self.specs[name]
         block = self._block(name, spec)
         flat = np.asarray(rows, dtype=np.int64)[:, None] * spec.shape[1] + np.arange(spec.shape[1])
-        return block[flat % block.size]
+        result: np.ndarray = block[flat % block.size]
+        return result
 
     def _rng(self, name: str) -> np.random.Generator:
         return np.random.default_rng([self.seed, zlib.crc32(self.seed_name(name).encode())])
@@ -229,9 +230,12 @@ class ModelWeights:
     def tensor(self, name: str) -> np.ndarray:
         """One tensor by checkpoint name, as float32 (floats) or int64 (``tid2eid``)."""
         a = self._source.load(name)
+        result: np.ndarray
         if a.dtype.kind in "iu":
-            return a.astype(np.int64, copy=False)
-        return a if a.dtype == np.float32 else a.astype(np.float32)
+            result = a.astype(np.int64, copy=False)
+            return result
+        result = a if a.dtype == np.float32 else a.astype(np.float32)
+        return result
 
     def embed(self) -> np.ndarray:
         """``embed.weight`` [V, D] fp32 (read once, then kept)."""
@@ -244,7 +248,8 @@ class ModelWeights:
         ids = np.asarray(token_ids, dtype=np.int64)
         if self._embed is not None or self.keep_layers or not hasattr(self._source, "rows"):
             return self.embed()[ids]
-        return self._source.rows("embed.weight", ids)
+        result: np.ndarray = self._source.rows("embed.weight", ids)
+        return result
 
     def head(self) -> HeadWeights:
         """hc_head mixer, final norm and LM head (read once, then kept)."""

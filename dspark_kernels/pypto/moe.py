@@ -236,4 +236,5 @@ def _hash_token_ids(token_ids: np.ndarray | None, rows: np.ndarray, vocab: int) 
         raise ABIError([Issue("token_ids.range", f"token_ids[{int(rows[i])}]",
                               f"token ids index tid2eid's {vocab} rows ({bad.size} out of range)",
                               expected=f"[0, {vocab})", actual=int(ids[i]), fix="token ids must be vocabulary ids")])
-    return ids
+    result: np.ndarray = ids
+    return result

@@ -73,13 +73,17 @@ from dspark_kernels.model.numerics import (
 
 
 def _score(logits: np.ndarray, func: str) -> np.ndarray:
+    result: np.ndarray
     if func == "softmax":
         e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        return e / e.sum(axis=-1, keepdims=True)
+        result = e / e.sum(axis=-1, keepdims=True)
+        return result
     if func == "sigmoid":
-        return np.exp(-np.logaddexp(np.float32(0), -logits))
+        result = np.exp(-np.logaddexp(np.float32(0), -logits))
+        return result
     # sqrtsoftplus, in upstream's stable form (golden_gate_core; equal to F.softplus)
-    return np.sqrt(np.maximum(logits, np.float32(0)) + np.log1p(np.exp(-np.abs(logits))))
+    result = np.sqrt(np.maximum(logits, np.float32(0)) + np.log1p(np.exp(-np.abs(logits))))
+    return result
 
 
 def route(x: np.ndarray, weights: MoEWeights, config: ModelConfig, token_ids: np.ndarray | None = None
@@ -115,7 +119,9 @@ def _swiglu(gate: np.ndarray, up: np.ndarray, limit: float) -> np.ndarray:
     if limit > 0:
         up = np.clip(up, -limit, limit)
         gate = np.minimum(gate, np.float32(limit))
-    return gate * (np.float32(1) / (np.float32(1) + np.exp(-gate))) * up  # silu(gate) * up, as the kernels
+    # silu(gate) * up, as the kernels
+    result: np.ndarray = gate * (np.float32(1) / (np.float32(1) + np.exp(-gate))) * up
+    return result
 
 
 def _project(x: np.ndarray, w: np.ndarray, name: str, precision: Precision, fp8: frozenset[str]) -> np.ndarray:
@@ -195,14 +201,16 @@ def quantized_gate(x: np.ndarray, weights: MoEWeights, config: ModelConfig, *, n
 
 def _w8a8(x_q: np.ndarray, x_scale: np.ndarray, w_q: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
     """``(x_q @ w_q.T in integers) * x_scale (per row) * w_scale (per column)``: [M, N] fp32."""
-    return int8_matmul(x_q, w_q) * x_scale[:, None] * w_scale[None, :]
+    result: np.ndarray = int8_matmul(x_q, w_q) * x_scale[:, None] * w_scale[None, :]
+    return result
 
 
 def _down(h: np.ndarray, row_w: np.ndarray | None, w_q: np.ndarray, w_scale: np.ndarray) -> np.ndarray:
     """w2 of the a2a3 experts: h [M, I] re-quantised per row, ``(h_q @ w2_q.T) * (h_scale * row_w) * w2_scale``."""
     h_q, h_scale = int8_quantize(h)
     row = h_scale if row_w is None else h_scale * row_w
-    return int8_matmul(h_q, w_q) * row[:, None] * w_scale[None, :]
+    result: np.ndarray = int8_matmul(h_q, w_q) * row[:, None] * w_scale[None, :]
+    return result
 
 
 def quantized_experts(gate: QuantizedGate, weights: MoEWeights, config: ModelConfig) -> np.ndarray:
