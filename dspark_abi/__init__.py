@@ -20,7 +20,7 @@ from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import PoolBlocks
 from dspark_abi.validation import Level, validate_arrays
 
-__version__ = "1.1.0"
+__version__ = "1.2.0"
 #: Version of the metadata ABI specification this library implements (spec/v1).
 ABI_VERSION = "1.2"
 
