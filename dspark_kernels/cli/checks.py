@@ -44,12 +44,18 @@ def check_extras(args: argparse.Namespace) -> None:
         if args.precision != "a2a3":
             raise UsageError(f"--backend pypto computes the a2a3 kernels' numerics, not {args.precision}: "
                              "pass --precision a2a3")
-    if args.mode != "distributed":
-        if args.dist_backend is not None:
-            raise UsageError(f"--dist-backend {args.dist_backend} applies to --mode distributed only; add "
+    args.dist_backend = check_distributed(args.mode, args.dist_backend, args.tp)
+
+
+def check_distributed(mode: str, dist_backend: str | None, tp: int) -> str | None:
+    """The torch.distributed backend a ``--mode distributed`` run uses (gloo unless named), after checking that
+    this Python and machine have it; None for the other modes, which take no ``--dist-backend``."""
+    if mode != "distributed":
+        if dist_backend is not None:
+            raise UsageError(f"--dist-backend {dist_backend} applies to --mode distributed only; add "
                              "--mode distributed or drop --dist-backend")
-        return
-    args.dist_backend = args.dist_backend or "gloo"
+        return None
+    dist_backend = dist_backend or "gloo"
     try:
         import torch
         import torch.distributed as dist
@@ -59,14 +65,15 @@ def check_extras(args: argparse.Namespace) -> None:
     if not dist.is_available():
         raise UsageError("--mode distributed: this torch build has no torch.distributed: "
                          "pip install 'dspark[dist]' (or use --mode threads)")
-    if args.dist_backend == "gloo" and not dist.is_gloo_available():
+    if dist_backend == "gloo" and not dist.is_gloo_available():
         raise UsageError("--dist-backend gloo: this torch build has no gloo: pip install 'dspark[dist]'")
-    if args.dist_backend == "nccl":
+    if dist_backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not dist.is_nccl_available() or gpus < args.tp:
+        if not dist.is_nccl_available() or gpus < tp:
             have = "no NCCL" if not dist.is_nccl_available() else f"{gpus} CUDA GPU(s)"
-            raise UsageError(f"--dist-backend nccl needs a torch build with NCCL and {args.tp} CUDA GPUs (one per "
+            raise UsageError(f"--dist-backend nccl needs a torch build with NCCL and {tp} CUDA GPUs (one per "
                              f"rank); this machine has {have}: use --dist-backend gloo")
+    return dist_backend
 
 
 def _installed(module: str) -> bool:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from dspark_abi.allocator import pool_blocks_for
-from dspark_abi.cli.common import UsageError
+from dspark_abi.cli.common import UsageError, int_in
 from dspark_abi.presets import PRESETS, get_preset
 from dspark_kernels import memory
-from dspark_kernels.cli.checks import MEMORY_HEADROOM, RunError
+from dspark_kernels.cli.checks import MEMORY_HEADROOM, RunError, check_distributed
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.speculative import (
     Drafter,
@@ -40,24 +41,12 @@ DRAFTERS = ("replay", "random", "hits")
 MODES: dict[str, TpMode] = {"group": "single", "threads": "threads", "distributed": "distributed"}
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer in ``[lo, 2**31 - 1]``."""
+    return lambda text: int_in(text, lo, 2**31 - 1, "the value")
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive, _count = _at_least(1), _at_least(0)
 
 
 def add_parser(sub: Any) -> None:
@@ -83,6 +72,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_distributed(args.mode, None, args.tp)
     config = get_preset(args.config)
     block = int(getattr(config, "dspark_block_size", 0))
     k = block if args.drafts is None else args.drafts

@@ -44,3 +44,10 @@ def test_installed_command_usage_error():
     proc = subprocess.run([sys.executable, "-m", "dspark_kernels.cli", "speculate", "--max-new-tokens", "-3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_distributed_mode_without_torch_is_one_usage_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)      # an import of torch now raises ImportError
+    assert main(["speculate", "--mode", "distributed", "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs torch" in err[0] and err[0].startswith("dspark speculate: error:")
