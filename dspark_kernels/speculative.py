@@ -177,11 +177,8 @@ class GenerateResult:
 def rejected_rows(batch: PackedBatch, accepted: np.ndarray) -> np.ndarray:
     """[P] bool: group rows the step wrote at positions its requests did not commit (rows beyond each request's
     ``accepted`` count); their cache rows must never be read before the request's next step rewrites them."""
-    qsl = np.asarray(batch.query_start_loc, dtype=np.int64)
-    starts, lengths = qsl[:-1], qsl[1:] - qsl[:-1]
     mask = np.zeros(batch.padded_rows, bool)
-    offset = np.arange(batch.num_tokens, dtype=np.int64) - np.repeat(starts, lengths)
-    mask[: batch.num_tokens] = offset >= np.repeat(np.asarray(accepted, dtype=np.int64), lengths)
+    mask[batch.requests.uncommitted_rows(accepted)] = True
     return mask
 
 
