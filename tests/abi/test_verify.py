@@ -371,9 +371,9 @@ def test_any_mixed_step_is_valid_and_its_record_is_the_arrays_record(case):
     ends = [c + w for c, w in zip(contexts, widths, strict=True)] + [at + n for at, n, _ in chunks]
     alloc = BlockAllocator(CONFIG, pool_blocks_for(CONFIG, ends, slack=64))
     builder = BatchBuilder(CONFIG, policy, alloc, ring_width=ring)
-    for rid, ctx in enumerate(contexts):
+    for rid, ctx in enumerate(contexts):      # one step per context: together they may pass the token cap
         builder.add(rid, 0, ctx)
-    builder.commit(builder.build(logit_rows=None))
+        builder.commit(builder.build(logit_rows=None))
     entries = [("verify", rid, ctx, w) for rid, (ctx, w) in enumerate(zip(contexts, widths, strict=True))]
     entries += [("chunk", 100 + i, at, n, last) for i, (at, n, last) in enumerate(chunks)]
     for k in order:
