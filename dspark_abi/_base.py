@@ -32,6 +32,21 @@ def array_eq(a: Any, b: Any) -> bool:
     return bool(a.dtype == b.dtype and np.array_equal(a, b))
 
 
+def expand_ranges(start: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged ranges -> flat (owner, value) pairs: range i yields ``start[i] .. start[i] + count[i] - 1`` (nothing
+    when ``count[i] == 0``), ranges in order. owner: [sum(count)] int64 index of the range; value: [sum(count)]
+    ``start``'s dtype promoted with int64. O(len(count) + sum(count)), no Python loop.
+
+    >>> owner, value = expand_ranges(np.array([10, 0, 7]), np.array([2, 0, 3]))
+    >>> owner.tolist(), value.tolist()
+    ([0, 0, 2, 2, 2], [10, 11, 7, 8, 9])
+    """
+    count = np.asarray(count, dtype=np.int64)
+    owner = np.repeat(np.arange(count.size, dtype=np.int64), count)
+    first = np.cumsum(count) - count
+    return owner, np.asarray(start)[owner] + (np.arange(owner.size, dtype=np.int64) - first[owner])
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
     return -(-a // b)

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from dspark_abi._base import expand_ranges
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.layout import (
@@ -38,14 +39,6 @@ from dspark_abi.layout import (
     touched_pages,
 )
 from dspark_abi.pools import PoolBlocks
-
-
-def _expand(lo: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Ragged ranges -> (owner index, value) pairs: owner i yields lo[i], lo[i]+1, ..., lo[i]+count[i]-1."""
-    owner = np.repeat(np.arange(lo.size), count)
-    first = np.cumsum(count) - count
-    return owner, lo[owner] + (np.arange(owner.size) - first[owner])
-
 
 Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -299,8 +292,8 @@ class BlockAllocator:
         below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
         start_above = np.maximum(a, end)
         above = np.clip(b - start_above, 0, None)                   # [max(a, end), b): past the held run
-        owner_lo, page_lo = _expand(a, below)
-        owner_hi, page_hi = _expand(start_above, above)
+        owner_lo, page_lo = expand_ranges(a, below)
+        owner_hi, page_hi = expand_ranges(start_above, above)
         owner = np.concatenate([owner_lo, owner_hi])
         page = np.concatenate([page_lo, page_hi])
         if owner_lo.size:                                           # rare: keep request-major order
@@ -316,7 +309,7 @@ class BlockAllocator:
         first, end = self._first[pl.name][rows], self._end[pl.name][rows]
         keep_from = np.maximum(0, starts - pl.reach) // pl.page_size
         count = np.where((ends > starts) & ~fresh, np.clip(np.minimum(keep_from, end) - first, 0, None), 0)
-        owner, page = _expand(first, count)
+        owner, page = expand_ranges(first, count)
         blocks = self._tables[pl.name][rows[owner], table_column(pl, page, pl.ring_width)].astype(np.int64)
         mapped = blocks >= 0
         return rows[owner][mapped], page[mapped], blocks[mapped]

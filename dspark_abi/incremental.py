@@ -69,6 +69,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
+from dspark_abi._base import expand_ranges
 from dspark_abi.batch import PackedBatch, freeze
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
@@ -172,10 +173,8 @@ class _Accepted:
 
 def _expand(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ragged runs -> flat (owner, page) pairs: owner[i] yields lo[i] .. hi[i] - 1 (nothing when hi <= lo)."""
-    count = np.maximum(hi - lo, 0)
-    rep = np.repeat(owner, count)
-    offset = np.arange(rep.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    return rep, np.repeat(lo, count) + offset
+    index, page = expand_ranges(lo, np.maximum(hi - lo, 0))
+    return owner[index], page
 
 
 def _cells(pl: PoolLayout, table: np.ndarray, rows: np.ndarray, pages: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 import attrs
 import numpy as np
 
-from dspark_abi._base import cdiv
+from dspark_abi._base import cdiv, expand_ranges
 
 PoolName = Literal["ori", "csa_cmp", "hca_cmp", "idx", "csa_state", "csa_inner_state", "hca_state"]
 
@@ -294,6 +294,4 @@ def touched_pages(pl: PoolLayout, start: np.ndarray, end: np.ndarray, window: in
     end = np.asarray(end, dtype=np.int64)
     first, stop = page_span(*live_range(pl, start, end, window), pl.page_size)
     count = (stop - first) * (end > start)     # an empty request's first page is never read: it owns no page
-    request = np.repeat(np.arange(start.size, dtype=np.int64), count)
-    offset = np.arange(request.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    return request, first[request] + offset
+    return expand_ranges(first, count)

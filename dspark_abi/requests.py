@@ -24,6 +24,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from dspark_abi._base import expand_ranges
+
 
 def _readonly(a: np.ndarray) -> np.ndarray:
     """A copy of ``a`` over an immutable ``bytes`` buffer: no one can write it or make it writeable again."""
@@ -182,10 +184,7 @@ class BatchRequests:
         [1, 2, 3]
         """
         start = self.row_start.astype(np.int64) + np.asarray(accepted, np.int64)
-        count = np.clip(self.row_end.astype(np.int64) - start, 0, None)
-        owner = np.repeat(np.arange(count.size), count)
-        offset = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-        rows: np.ndarray = start[owner] + offset
+        rows: np.ndarray = expand_ranges(start, np.clip(self.row_end.astype(np.int64) - start, 0, None))[1]
         return rows
 
     def owner_in(self, lo: int, count: int) -> np.ndarray:
@@ -234,8 +233,7 @@ def implied_logit_rows(row_start: np.ndarray, row_end: np.ndarray, logit_mode: n
     start, end = np.asarray(row_start, np.int64), np.asarray(row_end, np.int64)
     mode = np.asarray(logit_mode)
     counts = _entry_counts(start, end, mode)
-    owner = np.repeat(np.arange(start.size), counts)
-    offset = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    owner, offset = expand_ranges(np.zeros(counts.size, np.int64), counts)
     m, lo, hi = mode[owner], start[owner], end[owner]
     rows = np.where(m == 2, lo + offset, np.where(m == 1, hi - 1, -1))
     return np.where(hi > lo, rows, -1).astype(np.int32)

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
+from dspark_abi._base import expand_ranges
 from dspark_abi.batch import PackedBatch
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
@@ -424,8 +425,7 @@ def to_upstream_decode(batch: PackedBatch, *, lanes: int | None = None, lane_wid
 
 def _lane_rows(start: np.ndarray, width: np.ndarray, lane_width: int) -> tuple[np.ndarray, np.ndarray]:
     """(rectangle rows, group rows) of every active row: lane r's rows ``r*S + j`` <- ``start[r] + j``, j < width."""
-    owner = np.repeat(np.arange(width.size, dtype=np.int64), width)
-    offset = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(width) - width, width)
+    owner, offset = expand_ranges(np.zeros(width.size, np.int64), width)
     return owner * lane_width + offset, start[owner] + offset
 
 
@@ -513,8 +513,8 @@ def from_upstream_decode(tensors: Mapping[str, Any], config: ModelConfig, policy
         raise ABIError(issues)
     lanes = lane[active]
     width = widths[active]
-    owner = np.repeat(np.arange(lanes.size), width)                       # active rows, in lane order
-    rect_rows = lanes[owner] * s + (np.arange(owner.size) - np.repeat(np.cumsum(width) - width, width))
+    owner, offset = expand_ranges(np.zeros(width.size, np.int64), width)  # active rows, in lane order
+    rect_rows = lanes[owner] * s + offset
     n = int(width.sum())
     p_rows = policy.padded_rows(n)
     qsl = np.zeros(lanes.size + 1, np.int32)
