@@ -337,7 +337,7 @@ class BatchBuilder:
         # per queue entry: ids, cached, new, all three exact, the id exact (duplicates are named even then)
         parts: list[_Part] = []
         token_parts: list[Any] = []
-        modes: list[np.ndarray] = []                              # per queue entry: the intent of its requests
+        modes: list[int] = []                                     # per queue entry: the intent of its requests
         index = 0                                                 # a request's index: its place in the queue
         for entry in queued:
             part, tokens = (self._convert_many(entry, index, issues) if isinstance(entry, _Many) else
@@ -349,13 +349,13 @@ class BatchBuilder:
             if not known:
                 _bad(issues, index, "logits", f"logits must be 'last' or 'none', got {_short(kind)}",
                      "'last' or 'none'", _short(kind), _LOGITS_FIX)
-            modes.append(np.full(part[0].size, _MODE[kind] if known else 1, np.int8))
+            modes.append(_MODE[kind] if known else 1)
             index += part[0].size
 
         ids, cached, new, exact, id_exact = (np.concatenate([p[k] for p in parts]) if parts else
                                              np.zeros(0, np.int64) for k in range(5))
         exact, id_exact = exact.astype(bool), id_exact.astype(bool)
-        mode = np.concatenate(modes) if modes else np.zeros(0, np.int8)
+        mode = np.repeat(np.array(modes, np.int8), [p[0].size for p in parts])  # one array, not one per add()
         verify = mode == _MODE["verify"]
         self._check_values(issues, ids, cached, new, exact, id_exact, verify)
         self._check_verify(issues, cached, new, exact, verify)
