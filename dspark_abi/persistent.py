@@ -174,7 +174,7 @@ class PersistentTables:
         """S, the slots of every table."""
         return int(self._generations.size)
 
-    def table(self, pool: str) -> np.ndarray:
+    def table(self, pool: PoolName) -> np.ndarray:
         """[S, w] int32 read-only view of pool ``pool``'s persistent table."""
         return _readonly(self._tables[pool])
 
@@ -183,7 +183,7 @@ class PersistentTables:
         """pool -> read-only view of its table (what kernels read, ``table_row = table_slots[request]``)."""
         return {p: _readonly(t) for p, t in self._tables.items()}
 
-    def runs(self, pool: str) -> tuple[np.ndarray, np.ndarray]:
+    def runs(self, pool: PoolName) -> tuple[np.ndarray, np.ndarray]:
         """([S] first, [S] one past the last) logical page each slot holds in ``pool`` (read-only)."""
         return _readonly(self._first[pool]), _readonly(self._end[pool])
 
@@ -369,6 +369,10 @@ class PersistentTables:
 
 
 # ------------------------------------------------------------------------------------------------ the step
+def _pool_blocks(value: Mapping[str, int] | PoolBlocks) -> PoolBlocks:
+    return PoolBlocks.from_mapping(value)
+
+
 @attrs.frozen
 class DeltaCells(_PerPool):
     """Per pool, [M, 3] int32 rows (slot, logical page, block) of the cells a step maps (or releases)."""
@@ -412,7 +416,7 @@ class PersistentStep:
 
     config: ModelConfig
     policy: PaddingPolicy
-    pool_blocks: PoolBlocks = attrs.field(converter=PoolBlocks.from_mapping)
+    pool_blocks: PoolBlocks = attrs.field(converter=_pool_blocks)
     query_start_loc: np.ndarray = _afield("query_start_loc")
     positions: np.ndarray = _afield("positions")
     slots: SlotMappings = attrs.field()  # type: ignore[misc]
@@ -426,10 +430,12 @@ class PersistentStep:
     logit_rows: np.ndarray | None = _afield("logit_rows", True)
     verify_widths: np.ndarray | None = _afield("verify_widths", True)
     logit_mode: np.ndarray | None = _afield("logit_mode", True)
+    # filled in __attrs_post_init__ when not given: never None on a constructed step
     requests: BatchRequests = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        if self.requests is None:
+        given: BatchRequests | None = self.requests
+        if given is None:
             object.__setattr__(self, "requests", BatchRequests.from_arrays(
                 self.query_start_loc, self.positions, self.request_ids, self.logit_rows, self.verify_widths,
                 self.logit_mode))
@@ -454,7 +460,8 @@ class PersistentStep:
                    mapped=DeltaCells(**{p: arrays[f.name] for p, f in MAPPED_SPECS.items()}),
                    released=DeltaCells(**{p: arrays[f.name] for p, f in RELEASED_SPECS.items()}),
                    request_ids=ids, token_ids=arrays.get("token_ids"), logit_rows=arrays.get("logit_rows"),
-                   verify_widths=arrays.get("verify_widths"), logit_mode=arrays.get("logit_mode"), requests=requests)
+                   verify_widths=arrays.get("verify_widths"), logit_mode=arrays.get("logit_mode"),
+                   requests=requests)  # type: ignore[arg-type]  # None: derived in __attrs_post_init__
         if tables is not None:
             check_step(step, tables).raise_if_invalid()
         return step
