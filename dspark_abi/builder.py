@@ -203,7 +203,8 @@ class BatchBuilder:
         # add() / add_verify() arguments as given (with the intent: "last", "none" or "verify") / add_many() calls
         self._pending: list[tuple[Any, Any, Any, Any, Any] | _Many] = []
         self._built: dict[int, _Built] = {}          # id(batch) -> its commit, for the batches not committed yet
-        self._committed: dict[int, weakref.ref[PackedBatch] | weakref.ref[PersistentStep]] = {}   # batches committed (to report a 2nd commit)
+        # batches committed (to report a 2nd commit)
+        self._committed: dict[int, weakref.ref[PackedBatch] | weakref.ref[PersistentStep]] = {}
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None,
             *, logits: Literal["last", "none"] = "last") -> None:

@@ -5,6 +5,8 @@ with its code by both); a step built against a recycled slot is refused."""
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 import pytest
@@ -82,7 +84,7 @@ def test_persistent_step_is_the_full_batch_and_tables_stay_proven(config, ring_w
         assert check_step(step, tables).ok and check_step(step, tables, level="full").ok
         mirror.grow(tables.slots)
         mirror.apply(step)             # a device mirror advanced by the delta alone
-        gone = loop.commit(step, after=lambda: _same(step.to_full(tables), batch))   # right after the commit too
+        gone = loop.commit(step, after=functools.partial(_same, step, tables, batch))   # right after the commit too
         assert tables.prove() == []
         if gone is not None:
             mirror.release(int(np.flatnonzero(mirror.in_use & (mirror.holders == gone))[0]))
@@ -117,35 +119,36 @@ def test_to_upstream_goes_through_the_full_form():
         np.testing.assert_array_equal(got[k], want[k])
 
 
-def _same(a, b):
-    assert a == b
+def _same(step, tables, batch):
+    assert step.to_full(tables) == batch
 
 
 # ---------------------------------------------------------------------------------------------- mutations
-def _evolve_delta(step, kind, pool, fn):
+def _set_cell(step, kind, pool, at, value):
+    """``step`` with entry ``at`` of one pool's delta (``kind``: mapped or released) set to ``value``."""
     cells = getattr(step, kind)
     a = np.array(cells[pool])
-    fn(a)
+    a[at] = value
     return attrs.evolve(step, **{kind: attrs.evolve(cells, **{pool: a})})
 
 
-def _with(step, name, fn):
+def _set(step, name, at, value):
     a = np.array(getattr(step, name))
-    fn(a)
+    a[at] = value
     return attrs.evolve(step, **{name: a})
 
 
 def _mutations(step, tables, rng):
     """(expected code, mutated step) for each mutation this step admits."""
-    out = []
     r = int(rng.integers(step.num_requests))
-    out.append(("tables.stale_slot", _with(step, "slot_generations", lambda a: a.__setitem__(r, a[r] + 1))))
+    slots = step.table_slots
+    out = [("tables.stale_slot", _set(step, "slot_generations", r, step.slot_generations[r] + 1)),
+           ("tables.slot", _set(step, "table_slots", r, tables.slots + 3))]
     if step.num_requests > 1:
-        out.append(("tables.slot", _with(step, "table_slots", lambda a: a.__setitem__(r, a[(r + 1) % a.size]))))
-    out.append(("tables.slot", _with(step, "table_slots", lambda a: a.__setitem__(r, tables.slots + 3))))
-    others = np.flatnonzero(tables.in_use & ~np.isin(np.arange(tables.slots), step.table_slots))
+        out.append(("tables.slot", _set(step, "table_slots", r, slots[(r + 1) % slots.size])))
+    others = np.flatnonzero(tables.in_use & ~np.isin(np.arange(tables.slots), slots))
     if others.size:
-        out.append(("tables.stale_slot", _with(step, "table_slots", lambda a: a.__setitem__(r, others[0]))))
+        out.append(("tables.stale_slot", _set(step, "table_slots", r, others[0])))
     for p in POOL_NAMES:
         m = step.mapped[p]
         if m.shape[0]:
@@ -153,28 +156,19 @@ def _mutations(step, tables, rng):
             held = tables.table(p)[tables.table(p) >= 0]
             held = held[~np.isin(held, step.released[p][:, 2])]     # a released block may be mapped again
             if held.size:
-                out.append(("delta.mapped", _evolve_delta(step, "mapped", p, lambda a: a.__setitem__((k, 2),
-                                                                                                  held[0]))))
-            out.append(("delta.mapped", _evolve_delta(step, "mapped", p, lambda a: a.__setitem__(
-                (k, 2), step.pool_blocks[p]))))
-            out.append(("delta.mapped", _evolve_delta(step, "mapped", p, lambda a: a.__setitem__((k, 1), -1))))
+                out.append(("delta.mapped", _set_cell(step, "mapped", p, (k, 2), held[0])))
+            out.append(("delta.mapped", _set_cell(step, "mapped", p, (k, 2), step.pool_blocks[p])))
+            out.append(("delta.mapped", _set_cell(step, "mapped", p, (k, 1), -1)))
         rel = step.released[p]
         if rel.shape[0]:
             k = int(rng.integers(rel.shape[0]))
-            out.append(("delta.released", _evolve_delta(step, "released", p,
-                                                        lambda a: a.__setitem__((k, 2), a[k, 2] + 1))))
-    n = step.num_tokens
-    row = int(rng.integers(n))
+            out.append(("delta.released", _set_cell(step, "released", p, (k, 2), rel[k, 2] + 1)))
+    row = int(rng.integers(step.num_tokens))
     for p in ("ori", "csa_state"):
-        out.append(("slots.mismatch", attrs.evolve(step, slots=attrs.evolve(step.slots, **{
-            p: _bumped(step.slots[p], row)}))))
+        bumped = np.array(step.slots[p])
+        bumped[row] += 1
+        out.append(("slots.mismatch", attrs.evolve(step, slots=attrs.evolve(step.slots, **{p: bumped}))))
     return out
-
-
-def _bumped(a, row):
-    b = np.array(a)
-    b[row] += 1
-    return b
 
 
 @examples(12)
