@@ -92,6 +92,7 @@ class _Many:
     num_new: Any
     token_ids: Any
     logits: Any = "last"
+    verify: bool = False        # add_verify_many(): verify requests (num_new holds their widths)
 
 
 _INT64 = (-(2**63), 2**63 - 1)
@@ -260,6 +261,25 @@ class BatchBuilder:
         """
         self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(num_new), _copy(token_ids), logits))
 
+    def add_verify_many(self, request_ids: Sequence[int] | np.ndarray, num_cached: Sequence[int] | np.ndarray,
+                        widths: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Queue many verify requests at once from 1-D integer arrays (the engine's form; checked vectorized by
+        ``build()``, like :meth:`add_verify`'s one by one): request r has ``widths[r]`` rows (its anchor, then
+        ``widths[r] - 1`` drafts) after ``num_cached[r]`` committed tokens; ``token_ids`` holds ``sum(widths)`` ids,
+        request after request. The arguments are copied.
+
+        >>> from dspark_abi import BlockAllocator, PaddingPolicy, PoolBlocks
+        >>> from dspark_abi.presets import TINY_DSPARK
+        >>> builder = BatchBuilder(TINY_DSPARK, PaddingPolicy(), BlockAllocator(TINY_DSPARK, PoolBlocks.uniform(64)))
+        >>> builder.add_many([0, 1], [0, 0], [5, 3], [1, 2, 3, 4, 5, 6, 7, 8])
+        >>> builder.commit(builder.build())
+        >>> builder.add_verify_many([0, 1], [5, 3], [2, 1], [9, 10, 11])
+        >>> builder.build().requests.verify_width.tolist()
+        [2, 1]
+        """
+        self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(widths), _copy(token_ids),
+                                   "verify", verify=True))
+
     def clear(self) -> None:
         """Drop the queued requests."""
         self._pending.clear()
@@ -376,7 +396,12 @@ class BatchBuilder:
             parts.append(part)
             token_parts.append(tokens)
             kind = entry.logits if isinstance(entry, _Many) else entry[4]
-            known = isinstance(kind, str) and kind in _MODE and not (isinstance(entry, _Many) and kind == "verify")
+            many_verify = isinstance(entry, _Many) and entry.verify
+            known = isinstance(kind, str) and kind in _MODE and \
+                (not isinstance(entry, _Many) or (kind == "verify") == many_verify)
+            if many_verify and entry.token_ids is None:
+                _bad(issues, index, "token_ids", "verify requests need their token ids [anchor, drafts...]",
+                     "1-D integer sequence", "None", _IDS_FIX)
             if not known:
                 _bad(issues, index, "logits", f"logits must be 'last' or 'none', got {_short(kind)}",
                      "'last' or 'none'", _short(kind), _LOGITS_FIX)
@@ -603,7 +628,7 @@ class BatchBuilder:
             request_ids=step.ids, token_ids=token_ids, logit_rows=rows,
             verify_widths=requests.verify_width if step.declares_intent else None,
             logit_mode=requests.logit_mode if step.declares_intent else None, requests=requests)
-        check_step(built, persistent).raise_if_invalid()
+        check_step(built, persistent, derived=True).raise_if_invalid()
         return built
 
     def _rows(self, step: StepRequests, logit_rows: str | np.ndarray | None) -> tuple[

@@ -56,7 +56,7 @@ from dspark_abi.layout import (
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import PoolBlocks
 from dspark_abi.requests import BatchRequests
-from dspark_abi.rules import _check_width, _flag, check_tokens
+from dspark_abi.rules import _flag, check_tokens
 from dspark_abi.validation import validate_arrays
 
 #: (slots or rows, logical pages, blocks), three flat int arrays of one length.
@@ -524,14 +524,14 @@ class PersistentStep:
 
 # ------------------------------------------------------------------------------------------------ checks
 def check_step(step: PersistentStep, tables: PersistentTables, *,
-               level: Literal["incremental", "full"] = "incremental") -> ValidationReport:
+               level: Literal["incremental", "full"] = "incremental", derived: bool = False) -> ValidationReport:
     """Every rule the persistent ``step`` breaks against ``tables`` (as of the step's build, before its commit).
 
     ``incremental``: O(cells the step changes + R + rows): the tables' kept proof, the step's slots and
     generations, its delta (:func:`_check_delta`), the token rules of the full form and each live row's slots
     against the cell of its page. ``full``: stateless: the tables proven from scratch (O(S x width)), the delta,
     then the full validator on :meth:`PersistentStep.to_full`'s arrays. Both report no issue for exactly the same
-    steps (tests/abi/test_persistent.py)."""
+    steps (tests/abi/test_persistent.py). ``derived``: see :func:`_check` (the builder's own steps only)."""
     if level == "full":
         fresh = tables.copy()
         issues = fresh.prove()
@@ -546,7 +546,7 @@ def check_step(step: PersistentStep, tables: PersistentTables, *,
         arrays = {f.name: a for f in SHARED_FIELDS if (a := step.to_arrays().get(f.name)) is not None}
         arrays |= {TABLE_FIELDS[p]: t for p, t in step.full_tables(fresh).items()}
         return validate_arrays(arrays, step.config, step.policy, step.pool_blocks)
-    return _check(step, tables)[0]
+    return _check(step, tables, derived=derived)[0]
 
 
 def _shape_report(arrays: Mapping[str, Any], config: ModelConfig, policy: PaddingPolicy,
@@ -618,25 +618,43 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     """The delta's issues (``delta.mapped``, ``delta.released``) and per pool the [R] runs ``[first, end)`` each
     request's slot holds once the step is applied. O(cells changed + R); slots known current (:func:`_current`)."""
     issues: list[Issue] = []
-    runs: Runs = {}
     slots = step.table_slots.astype(np.int64)
+    order = np.argsort(slots, kind="stable")
+    index = (slots, order, slots[order])
+    runs: Runs = {p: _pool_delta(issues, tables, step, p, index) for p in POOL_NAMES}
+    return issues, runs
+
+
+def _in_step(index: tuple[np.ndarray, np.ndarray, np.ndarray], wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([M] batch index of each ``wanted`` slot (0 where absent), [M] mask of the slots of the step)."""
+    slots, order, ordered = index
+    if wanted.size == 0 or slots.size == 0:
+        return np.zeros(wanted.size, np.int64), np.zeros(wanted.size, dtype=bool)
+    at = order[np.minimum(np.searchsorted(ordered, wanted), slots.size - 1)]
+    found = slots[at] == wanted
+    return np.where(found, at, 0), found
+
+
+def _pool_delta(issues: list[Issue], tables: PersistentTables, step: PersistentStep, p: PoolName,
+                index: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One pool's delta checked against the kept proof; the [R] runs after it. A pool the step does not change
+    costs two gathers."""
+    slots = index[0]
     n_req = slots.size
-    for p in POOL_NAMES:
-        pl, table = tables.layout.pools[p], tables._tables[p]
-        n_blocks, width = tables.pool_blocks[p], table.shape[1]
-        first, end = tables._first[p][slots], tables._end[p][slots]
+    pl, table = tables.layout.pools[p], tables._tables[p]
+    n_blocks, width = tables.pool_blocks[p], table.shape[1]
+    first, end = tables._first[p][slots], tables._end[p][slots]
+    after_first, r_block_held = first, _EMPTY
+    if step.released[p].shape[0]:
         r_slot, r_page, r_block = step.released.cells(p)
-        r_at, r_in = _slot_index(slots, r_slot)
-        r_req = np.zeros(r_slot.size, np.int64)
-        r_req[r_in] = r_at
+        r_req, r_in = _in_step(index, r_slot)
         r_field = RELEASED_SPECS[p].name
         held = r_in & (r_page >= first[r_req]) & (r_page < end[r_req])
         cell = np.full(r_slot.size, -2, np.int64)
         cell[held] = table[r_slot[held], table_column(pl, r_page[held], width)]
         _flag(issues, "delta.released", r_field, ~held | (cell != r_block), "a released cell must be a page of the "
               "step's slot's run holding the block it names", expected=cell, actual=r_block)
-        r_key = r_req * _KEY + r_page
-        r_sorted = np.sort(r_key)
+        r_sorted = np.sort(r_req * _KEY + r_page)
         _flag(issues, "delta.released", r_field, r_sorted[1:] == r_sorted[:-1], "a cell is released twice",
               expected="distinct cells", actual=r_sorted[1:] % _KEY)
         k = np.bincount(r_req[held], minlength=n_req)
@@ -644,43 +662,48 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
         np.maximum.at(top, r_req[held], r_page[held])
         _flag(issues, "delta.released", r_field, (k > 0) & (top >= first + k), "released pages must be the front "
               "of the slot's run", request_of=np.arange(n_req), expected=first + k - 1, actual=top)
-        after_first = first + k
-
-        m_slot, m_page, m_block = step.mapped.cells(p)
-        m_at, m_in = _slot_index(slots, m_slot)
-        m_req = np.zeros(m_slot.size, np.int64)
-        m_req[m_in] = m_at
-        m_field = MAPPED_SPECS[p].name
-        inside = m_in & (m_page >= after_first[m_req]) & (m_page < end[m_req])
-        bad = ~m_in | (m_page < 0) | (~np.bool_(pl.is_ring) & (m_page >= width)) | inside
-        _flag(issues, "delta.mapped", m_field, bad, "a mapped cell must be an unmapped page of a slot of the step "
-              "(a compressed page below the table width)", expected=f"a page outside the run, < {width}"
-              if not pl.is_ring else "a page outside the run", actual=m_page)
-        in_range = (m_block >= 0) & (m_block < n_blocks)
-        owner = np.full(m_block.size, -1, np.int64)
-        owner[in_range] = tables._owner[p][m_block[in_range]]
-        freed = np.isin(m_block, r_block[held])
-        _flag(issues, "delta.mapped", m_field, ~in_range | ((owner >= 0) & ~freed), f"a mapped block must be in "
-              f"[0, {n_blocks}) and free (or released by this delta)", expected="a free block", actual=m_block)
-        for what, keys in (("cell", m_req * _KEY + m_page), ("block", m_block)):
-            ordered = np.sort(keys)
-            _flag(issues, "delta.mapped", m_field, ordered[1:] == ordered[:-1], f"a {what} is mapped twice",
-                  expected=f"distinct {what}s", actual=ordered[1:])
-        ok = m_in & ~bad
-        count = np.bincount(m_req[ok], minlength=n_req)
-        lo = np.full(n_req, np.iinfo(np.int64).max, np.int64)
-        hi = np.full(n_req, -1, np.int64)
-        np.minimum.at(lo, m_req[ok], m_page[ok])
-        np.maximum.at(hi, m_req[ok], m_page[ok] + 1)
-        kept = np.clip(end - after_first, 0, None)
-        new_first = np.where(kept > 0, np.minimum(after_first, lo), lo)
-        new_end = np.where(kept > 0, np.maximum(end, hi), hi)
-        total = kept + count
-        broken = (count > 0) & ((new_end - new_first != total) | (pl.is_ring & (total > width)))
-        _flag(issues, "delta.mapped", m_field, broken, "the slot's pages must form one run after the step (at most "
-              "the ring width)", request_of=np.arange(n_req), expected=total, actual=new_end - new_first)
-        runs[p] = (np.where(count > 0, new_first, after_first), np.where(count > 0, new_end, end))
-    return issues, runs
+        after_first, r_block_held = first + k, r_block[held]
+    if not step.mapped[p].shape[0]:
+        return after_first, end
+    m_slot, m_page, m_block = step.mapped.cells(p)
+    m_req, m_in = _in_step(index, m_slot)
+    m_field = MAPPED_SPECS[p].name
+    inside = m_in & (m_page >= after_first[m_req]) & (m_page < end[m_req])
+    bad = ~m_in | (m_page < 0) | inside
+    if not pl.is_ring:
+        bad |= m_page >= width
+    _flag(issues, "delta.mapped", m_field, bad, "a mapped cell must be an unmapped page of a slot of the step "
+          "(a compressed page below the table width)", expected=f"a page outside the run, < {width}"
+          if not pl.is_ring else "a page outside the run", actual=m_page)
+    in_range = (m_block >= 0) & (m_block < n_blocks)
+    owner = np.full(m_block.size, -1, np.int64)
+    owner[in_range] = tables._owner[p][m_block[in_range]]
+    taken = owner >= 0
+    if taken.any() and r_block_held.size:       # sorted lookup: isin's table method sizes itself by the block ids
+        freed = np.sort(r_block_held)
+        taken &= freed[np.minimum(np.searchsorted(freed, m_block), freed.size - 1)] != m_block
+    _flag(issues, "delta.mapped", m_field, ~in_range | taken, f"a mapped block must be in [0, {n_blocks}) and free "
+          "(or released by this delta)", expected="a free block", actual=m_block)
+    for what, keys in (("cell", m_req * _KEY + m_page), ("block", m_block)):
+        ordered = np.sort(keys)
+        _flag(issues, "delta.mapped", m_field, ordered[1:] == ordered[:-1], f"a {what} is mapped twice",
+              expected=f"distinct {what}s", actual=ordered[1:])
+    ok = ~bad
+    count = np.bincount(m_req[ok], minlength=n_req)
+    lo = np.full(n_req, np.iinfo(np.int64).max, np.int64)
+    hi = np.full(n_req, -1, np.int64)
+    np.minimum.at(lo, m_req[ok], m_page[ok])
+    np.maximum.at(hi, m_req[ok], m_page[ok] + 1)
+    kept = np.clip(end - after_first, 0, None)
+    has_run = kept > 0
+    new_first = np.where(has_run, np.minimum(after_first, lo), lo)
+    new_end = np.where(has_run, np.maximum(end, hi), hi)
+    total = kept + count
+    broken = (count > 0) & ((new_end - new_first != total) | (pl.is_ring & (total > width)))
+    _flag(issues, "delta.mapped", m_field, broken, "the slot's pages must form one run after the step (at most "
+          "the ring width)", request_of=np.arange(n_req), expected=total, actual=new_end - new_first)
+    grew = count > 0
+    return np.where(grew, new_first, after_first), np.where(grew, new_end, end)
 
 
 def cell_blocks(pl: PoolLayout, tables: PersistentTables, slots: np.ndarray, pages: np.ndarray,
@@ -702,11 +725,18 @@ def cell_blocks(pl: PoolLayout, tables: PersistentTables, slots: np.ndarray, pag
     return block
 
 
-def _check(step: PersistentStep, tables: PersistentTables) -> tuple[ValidationReport, Runs]:
-    """The incremental proof (:func:`check_step`) and the runs after the step."""
-    shape = _shape_report(step.to_arrays(), step.config, step.policy, step.pool_blocks)
-    if not shape.ok:
-        return shape, {}
+def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = False) -> tuple[ValidationReport, Runs]:
+    """The incremental proof (:func:`check_step`) and the runs after the step.
+
+    derived: the step was just assembled by ``BatchBuilder.build_step`` under the allocator's lock, its arrays in
+    their declared dtypes and its slot mappings read from these very tables and delta by :func:`cell_blocks` (the
+    one home of that lookup): the shapes and the per-row slot lookups are not repeated (the full form's builder
+    skips re-validating the arrays it validated the same way). The slots, generations, delta, token rules and
+    coverage are checked either way."""
+    if not derived:
+        shape = _shape_report(step.to_arrays(), step.config, step.policy, step.pool_blocks)
+        if not shape.ok:
+            return shape, {}
     report = _current(step, tables)
     if not report.ok:
         return report, {}
@@ -721,25 +751,32 @@ def _check(step: PersistentStep, tables: PersistentTables) -> tuple[ValidationRe
     if issues:      # a malformed delta or token rule: the rows' cells are not worth looking up
         return ValidationReport(tuple(issues)), runs
     window = step.config.sliding_window
+    layout = tables.layout
     slots = step.table_slots.astype(np.int64)
     rows = np.flatnonzero(live)
     req = row_request[rows]
+    row_slot = slots[req]
+    request = np.arange(slots.size)
+    nonempty = ok_req & (end > start)
     for p in POOL_NAMES:
-        pl = step.config.layout.pools[p]
-        fake = np.broadcast_to(np.int32(-1), (slots.size, widths[p]))
-        if not _check_width(issues, pl, fake, start, np.where(ok_req, end, start), window):
-            continue
+        pl = layout.pools[p]
         lo, hi = page_span(*live_range(pl, start, end, window), pl.page_size)
+        need = np.where(nonempty, hi - lo if pl.is_ring else hi, 0)
+        if (need > widths[p]).any():        # the full form's tables.width (a ring must not wrap onto itself)
+            _flag(issues, "tables.width", TABLE_FIELDS[p], need > widths[p], f"table_widths gives {widths[p]} "
+                  "columns, fewer than the pages the request's live range needs", request_of=request,
+                  expected=need, actual=widths[p])
+            continue
         new_first, new_end = runs[p]
-        need = ok_req & (hi > lo)
-        _flag(issues, "coverage.unmapped", TABLE_FIELDS[p], need & ((lo < new_first) | (hi > new_end)),
-              "a page the request reads or writes in this call is not held by its slot",
-              request_of=np.arange(slots.size), expected=np.stack([lo, hi], 1),
-              actual=np.stack([new_first, new_end], 1))
+        _flag(issues, "coverage.unmapped", TABLE_FIELDS[p], nonempty & ((lo < new_first) | (hi > new_end)),
+              "a page the request reads or writes in this call is not held by its slot", request_of=request,
+              expected=np.stack([lo, hi], 1), actual=np.stack([new_first, new_end], 1))
+        if derived:
+            continue
         logical = written_logical(pl, pos[rows])
         writes = logical >= 0
         page = np.where(writes, logical // pl.page_size, 0)
-        block = cell_blocks(pl, tables, slots[req], page, step.mapped.cells(p), step.released.cells(p))
+        block = cell_blocks(pl, tables, row_slot, page, step.mapped.cells(p), step.released.cells(p))
         want = np.where(writes & (block >= 0), block * pl.page_size + (logical - page * pl.page_size), -1)
         got = step.slots[p][rows]
         field = SLOT_SPECS[p].name
