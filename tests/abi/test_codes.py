@@ -215,6 +215,11 @@ TESTED_ELSEWHERE = {
     "verify.ring_headroom": ("tests/abi/test_verify.py", "test_validator_refuses_a_ring_narrower_than_the_headroom"),
     "logits.intent": ("tests/abi/test_verify.py", "test_validator_verify_rules"),
     "commit.accepted": ("tests/abi/test_verify.py", "test_commit_refuses_bad_accepted_counts_and_changes_nothing"),
+    "tables.slot": ("tests/abi/test_persistent.py", "test_persistent_codes"),
+    "tables.stale_slot": ("tests/abi/test_persistent.py", "test_step_built_against_a_recycled_slot_is_stale"),
+    "tables.persistent": ("tests/abi/test_persistent.py", "test_loaded_tables_are_proven"),
+    "delta.mapped": ("tests/abi/test_persistent.py", "test_persistent_codes"),
+    "delta.released": ("tests/abi/test_persistent.py", "test_persistent_codes"),
 }
 
 

@@ -191,6 +191,29 @@ def test_incremental_agrees_with_full_on_mutated_steps(seed, steps, config):
         np.testing.assert_array_equal(before[p], tables.table(p))
 
 
+def test_persistent_codes():
+    loop = Loop(TINY, 11, max_new=40)
+    step = None
+    for _ in range(8):                   # until a step releases ring pages (requests past the window)
+        step = loop.both()[1]
+        if step.released["ori"].shape[0] and step.mapped["ori"].shape[0]:
+            break
+        loop.commit(step)
+    tables = loop.alloc.persistent
+    assert step is not None and step.released["ori"].shape[0] and step.mapped["ori"].shape[0]
+    held = tables.table("ori")[tables.table("ori") >= 0]
+    held = held[~np.isin(held, step.released["ori"][:, 2])]
+    cases = {
+        "tables.slot": _set(step, "table_slots", 0, tables.slots),
+        "tables.stale_slot": _set(step, "slot_generations", 0, step.slot_generations[0] + 1),
+        "delta.mapped": _set_cell(step, "mapped", "ori", (0, 2), held[0]),
+        "delta.released": _set_cell(step, "released", "ori", (0, 2), step.released["ori"][0, 2] + 1),
+    }
+    for code, bad in cases.items():
+        for level in ("incremental", "full"):
+            assert code in check_step(bad, tables, level=level).codes, (code, level)
+
+
 def test_step_built_against_a_recycled_slot_is_stale():
     alloc = BlockAllocator(TINY, PoolBlocks.uniform(256))
     builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
