@@ -782,8 +782,13 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
         field = SLOT_SPECS[p].name
         _flag(issues, "slots.off_boundary", field, ~writes & (got != -1), "set only on ratio boundaries",
               index_of=rows, request_of=req, expected=-1, actual=got)
-        _flag(issues, "slots.mismatch", field, writes & (got != want), "slot must be the persistent table's cell of "
+        wrong = writes & (got != want)
+        _flag(issues, "slots.mismatch", field, wrong, "slot must be the persistent table's cell of "
               "the row's page (block * page_size + offset)", index_of=rows, request_of=req, expected=want, actual=got)
+        if wrong.any():     # R30 follows from R29 and the block ownership, unless R29 fails: then look for it
+            written = np.sort(got[got >= 0])
+            _flag(issues, "writes.duplicate", field, written[1:] == written[:-1], "two live rows write one "
+                  "physical row", expected="distinct rows", actual=written[1:])
     return ValidationReport(tuple(issues)), runs
 
 

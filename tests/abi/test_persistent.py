@@ -6,6 +6,9 @@ with its code by both); a step built against a recycled slot is refused."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -14,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
+from dspark_abi.conformance import persistent as persistent_vectors
 from dspark_abi.layout import POOL_NAMES
 from dspark_abi.persistent import DeltaCells, PersistentStep, PersistentTables, check_step, from_full
 from dspark_abi.presets import TINY, TINY_1M, TINY_DSPARK
@@ -259,3 +263,29 @@ def test_step_from_arrays_round_trip_and_shape_errors():
         PersistentStep.from_arrays(broken, TINY, step.policy, step.pool_blocks)
     assert err.value.codes == {"array.dtype"}
     assert isinstance(step.mapped, DeltaCells)
+
+
+# ---------------------------------------------------------------------------------------------- persistent vectors
+PERSISTENT_VECTORS = Path(__file__).resolve().parents[2] / "spec" / "v1" / "vectors-persistent"
+
+
+def _persistent_entries():
+    return json.loads((PERSISTENT_VECTORS / "index.json").read_text())["vectors"]
+
+
+@pytest.mark.parametrize("entry", _persistent_entries(), ids=lambda e: e["file"])
+def test_persistent_vector_verdicts(entry):
+    path = PERSISTENT_VECTORS / entry["file"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"]
+    inc, full, expected = persistent_vectors.judge(path)
+    assert expected == entry["expected"]
+    assert sorted(inc.codes) == sorted(full.codes) == entry["expected"]["codes"]
+    assert inc.ok == full.ok == entry["expected"]["valid"]
+
+
+def test_persistent_vectors_are_up_to_date(tmp_path):
+    assert persistent_vectors.main([str(PERSISTENT_VECTORS), "--check"]) == 0
+    listed = {e["file"] for e in _persistent_entries()}
+    assert listed == {p.relative_to(PERSISTENT_VECTORS).as_posix() for p in PERSISTENT_VECTORS.rglob("*.safetensors")}
+    codes = {c for e in _persistent_entries() for c in e["expected"]["codes"]}
+    assert {"tables.slot", "tables.stale_slot", "delta.mapped", "delta.released"} <= codes
