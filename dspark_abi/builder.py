@@ -399,7 +399,7 @@ class BatchBuilder:
             many_verify = isinstance(entry, _Many) and entry.verify
             known = isinstance(kind, str) and kind in _MODE and \
                 (not isinstance(entry, _Many) or (kind == "verify") == many_verify)
-            if many_verify and entry.token_ids is None:
+            if isinstance(entry, _Many) and entry.verify and entry.token_ids is None:
                 _bad(issues, index, "token_ids", "verify requests need their token ids [anchor, drafts...]",
                      "1-D integer sequence", "None", _IDS_FIX)
             if not known:
