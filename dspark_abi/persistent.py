@@ -685,15 +685,12 @@ def _pool_delta(issues: list[Issue], tables: PersistentTables, step: PersistentS
     _flag(issues, "delta.mapped", m_field, ~in_range | taken, f"a mapped block must be in [0, {n_blocks}) and free "
           "(or released by this delta)", expected="a free block", actual=m_block)
     for what, keys in (("cell", m_req * _KEY + m_page), ("block", m_block)):
-        ordered = np.sort(keys)
+        ordered = _ordered(keys)[0]
         _flag(issues, "delta.mapped", m_field, ordered[1:] == ordered[:-1], f"a {what} is mapped twice",
               expected=f"distinct {what}s", actual=ordered[1:])
     ok = ~bad
     count = np.bincount(m_req[ok], minlength=n_req)
-    lo = np.full(n_req, np.iinfo(np.int64).max, np.int64)
-    hi = np.full(n_req, -1, np.int64)
-    np.minimum.at(lo, m_req[ok], m_page[ok])
-    np.maximum.at(hi, m_req[ok], m_page[ok] + 1)
+    lo, hi = _page_bounds(m_req[ok], m_page[ok], n_req)
     kept = np.clip(end - after_first, 0, None)
     has_run = kept > 0
     new_first = np.where(has_run, np.minimum(after_first, lo), lo)
@@ -706,23 +703,51 @@ def _pool_delta(issues: list[Issue], tables: PersistentTables, step: PersistentS
     return np.where(grew, new_first, after_first), np.where(grew, new_end, end)
 
 
+def _page_bounds(req: np.ndarray, page: np.ndarray, n_req: int) -> tuple[np.ndarray, np.ndarray]:
+    """([R] least page, [R] one past the greatest page) of each request's cells (int64 max and -1 without cells);
+    one reduceat over the runs of a request-major list (the plan's order), ufunc.at otherwise."""
+    lo = np.full(n_req, np.iinfo(np.int64).max, np.int64)
+    hi = np.full(n_req, -1, np.int64)
+    if req.size == 0:
+        return lo, hi
+    if bool((req[1:] >= req[:-1]).all()):
+        head = np.flatnonzero(np.concatenate(([True], req[1:] != req[:-1])))
+        lo[req[head]] = np.minimum.reduceat(page, head)
+        hi[req[head]] = np.maximum.reduceat(page, head) + 1
+    else:
+        np.minimum.at(lo, req, page)
+        np.maximum.at(hi, req, page + 1)
+    return lo, hi
+
+
 def cell_blocks(pl: PoolLayout, tables: PersistentTables, slots: np.ndarray, pages: np.ndarray,
                 mapped: Cells, released: Cells) -> np.ndarray:
     """[T] int64 block of each (slot, page) once a delta (``mapped``, ``released``: (slots, pages, blocks)) is
-    applied to ``tables``; -1 = unmapped. O(T log(cells changed)), no table copied."""
+    applied to ``tables``; -1 = unmapped. O(T log(cells changed)), no table copied: a held page is read from the
+    table (and looked up among the released cells), a page outside the run among the mapped cells only."""
     p = pl.name
     table = tables._tables[p]
     held = (pages >= tables._first[p][slots]) & (pages < tables._end[p][slots])
-    column = table_column(pl, np.where(held, pages, 0), table.shape[1])
-    block = np.where(held, table[slots, column], -1).astype(np.int64)
-    keys = slots * _KEY + pages
-    for (c_slot, c_page, c_block), is_map in ((released, False), (mapped, True)):
-        if c_slot.size:
-            c_keys = c_slot * _KEY + c_page
-            order = np.argsort(c_keys)
-            at, hit = _find(c_keys[order], keys)
-            block[hit] = c_block[order[at[hit]]] if is_map else -1
+    width = table.shape[1]
+    flat = slots * width + table_column(pl, np.where(held, pages, 0), width)     # one gather, flattened table
+    block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
+    for (c_slot, c_page, c_block), rows, is_map in ((released, held, False), (mapped, ~held, True)):
+        if c_slot.size and rows.any():
+            at = np.flatnonzero(rows)
+            ordered, order = _ordered(c_slot * _KEY + c_page)
+            found, hit = _find(ordered, slots[at] * _KEY + pages[at])
+            cell = found[hit] if order is None else order[found[hit]]
+            block[at[hit]] = c_block[cell] if is_map else -1
     return block
+
+
+def _ordered(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(``keys`` ascending, the sorting permutation or None when they already were: a plan lists its cells
+    request-major, pages ascending, so the common case costs one comparison pass instead of a sort)."""
+    if keys.size < 2 or bool((keys[1:] >= keys[:-1]).all()):
+        return keys, None
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order
 
 
 def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = False) -> tuple[ValidationReport, Runs]:
