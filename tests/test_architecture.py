@@ -235,6 +235,17 @@ def test_plan_lookups_are_the_stage_lookups(tp):
             np.testing.assert_array_equal(plan.state_windows[pool].rows, rows)
 
 
+def test_kernels_read_block_tables_through_the_plan():
+    """Every kernel table lookup is ``plan.tables[pool][plan.table_row[rows], column]``: no module reads a batch's
+    ``.tables`` but the plan that copies them (and the pypto backend's index-range pre-check of a batch)."""
+    readers = set()
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "tables" and "batch" in ast.unparse(node.value):
+                readers.add(str(path.relative_to(PACKAGE)))
+    assert readers == {"model/plan.py", "pypto/backend.py"}
+
+
 def test_no_kernel_module_keys_state_by_object_identity():
     """Per-plan state belongs to the plan: no module keeps a dict keyed by ``id(...)``."""
     for path, tree in _sources():

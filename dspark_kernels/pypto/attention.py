@@ -103,10 +103,11 @@ class PyptoStages:
         kind = config.layer_kind(layer)
         start = plan.window_rope[config.compress_ratios[layer]]
         state = f"{kind}_state"
-        b, (entries,) = compress_into(x, plan.positions, plan.request, batch.slots[state], batch.tables[state],
+        b, (entries,) = compress_into(x, plan.positions, plan.request, batch.slots[state], plan.tables[state],
                                       caches.pool(state), _given(weights.compressor, "compressor"), start.cos,
                                       start.sin, page_size=pools[state].page_size, eps=config.rms_norm_eps,
-                                      ring=pools[state].is_ring, windows=plan.state_windows[state])
+                                      ring=pools[state].is_ring, windows=plan.state_windows[state],
+                                      table_row=plan.table_row)
         scatter_into(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
 
     def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
@@ -119,11 +120,11 @@ class PyptoStages:
         start = plan.window_rope[config.compress_ratios[layer]]
         inner = "csa_inner_state"
         b, (idx, idx_scale) = compress_into(x, plan.positions, plan.request, batch.slots[inner],
-                                            batch.tables[inner], caches.pool(inner),
+                                            plan.tables[inner], caches.pool(inner),
                                             _given(weights.idx_compressor, "indexer.compressor"), start.cos,
                                             start.sin, page_size=pools[inner].page_size, eps=config.rms_norm_eps,
                                             ring=pools[inner].is_ring, hadamard=weights.idx_hadamard,
-                                            windows=plan.state_windows[inner])
+                                            windows=plan.state_windows[inner], table_row=plan.table_row)
         scatter_into(caches.pool("idx"), batch.slots["idx"][b], idx, bf16=False)
         scatter_into(caches.pool("idx_scale"), batch.slots["idx"][b], idx_scale, bf16=False)
 
@@ -160,8 +161,8 @@ class PyptoStages:
         from dspark_kernels.pypto.entry_rows import run_entry_rows
 
         pool = plan.config.layout.pools["csa_cmp"]
-        result: np.ndarray = run_entry_rows(plan.positions[rows], plan.request[rows].astype(np.int64),
-                                            plan.batch.tables["csa_cmp"], entries, ring=pool.is_ring,
+        result: np.ndarray = run_entry_rows(plan.positions[rows], plan.table_row[rows].astype(np.int64),
+                                            plan.tables["csa_cmp"], entries, ring=pool.is_ring,
                                             table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
         return result
 

@@ -17,7 +17,7 @@ Three steps, each a kernel; every write happens through a slot mapping:
 3. The entries go to ``csa_cmp`` / ``hca_cmp`` (or ``idx`` + ``idx_scale``) through the compressed slot
    mapping of the boundary rows, with the scatter kernel again.
 
-``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R requests; width = the state
+``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R table rows; width = the state
 table's own columns, a ring table: page ``i // page`` in column ``(i // page) % width``; all shapes static per
 call): ``window`` [B, span] int32, the window's absolute positions p-span+1..p (negative: before the
 sequence; :func:`~dspark_kernels.model.geometry.window_positions`), ``request_ids`` [B, 1] int32; ``state_table``
@@ -249,12 +249,14 @@ def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.nda
 def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
                   state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor, cos: np.ndarray,
                   sin: np.ndarray, *, page_size: int, eps: float, ring: bool, hadamard: np.ndarray | None = None,
-                  windows: StateWindows | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+                  windows: StateWindows | None = None, table_row: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
     """One compressor over a TP group's rows through pypto; **mutates** ``state_pool`` (the ring).
 
     x [P, X] (bf16 values); positions, request [P] (-1 padding); state_slots [P] int64 (-1 = no write);
-    state_table [R, width] int32 (ring: ``PoolLayout.is_ring`` of the state pool, True in the ABI: page
-    ``i // page_size`` in column ``(i // page_size) % width``; the coverage check reads it as a ring table too);
+    state_table [R_t, width] int32, read at row ``table_row`` [P] of each token (default ``request``) (ring:
+    ``PoolLayout.is_ring`` of the state pool, True in the ABI: page ``i // page_size`` in column
+    ``(i // page_size) % width``; the coverage check reads it as a ring table too);
     state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor`` (a2a3); cos, sin [P, rd/2] at each
     row's window start; windows: the plan's boundary rows and window state rows of this state pool (looked up
     from positions, request and state_table when None; the pooling kernel looks the rows up again in-kernel).
@@ -264,8 +266,9 @@ def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, sta
     ``kernel.index_range`` if the pooling kernel's fp32 indices would round.
     """
     ratio = weights.ratio
+    table_row = np.asarray(request if table_row is None else table_row)
     if windows is None:
-        b, state_rows = window_state_rows(positions, request, state_table, ratio, page_size)
+        b, state_rows = window_state_rows(positions, table_row, state_table, ratio, page_size)
     else:
         b, state_rows = windows.boundaries, windows.rows
     issues = coverage_issues(positions, np.asarray(request), b, state_rows, ratio, "state_table")
@@ -278,7 +281,7 @@ def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, sta
         d = weights.dim
         return b, ((np.zeros((0, d), np.int8), np.zeros(0, np.float32)) if hadamard is not None
                    else (np.zeros((0, d), np.float32),))
-    result = run_pool(np.asarray(positions)[b], np.asarray(request)[b], state_table, state_pool, weights.norm,
+    result = run_pool(np.asarray(positions)[b], table_row[b], state_table, state_pool, weights.norm,
                       cos[b], sin[b], ratio=ratio, page=page_size, eps=eps, ring=ring, hadamard=hadamard)
     if hadamard is not None:
         return b, (result.values[-2], result.values[-1][:, 0])

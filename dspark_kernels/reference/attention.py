@@ -72,10 +72,11 @@ class ReferenceStages:
         kind = config.layer_kind(layer)
         start = plan.window_rope[config.compress_ratios[layer]]
         state = f"{kind}_state"
-        b, entries = compress(x, plan.positions, plan.request, batch.slots[state], batch.tables[state],
+        b, entries = compress(x, plan.positions, plan.request, batch.slots[state], plan.tables[state],
                               caches.pool(state), _given(weights.compressor), start.cos, start.sin,
                               page_size=config.layout.pools[state].page_size, eps=config.rms_norm_eps,
-                              precision=plan.precision, windows=plan.state_windows[state])
+                              precision=plan.precision, windows=plan.state_windows[state],
+                              table_row=plan.table_row)
         scatter_rows(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries)
 
     def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
@@ -83,10 +84,10 @@ class ReferenceStages:
         batch, config = plan.batch, plan.config
         start = plan.window_rope[config.compress_ratios[layer]]
         compress_index_keys(x, plan.positions, plan.request, batch.slots["csa_inner_state"],
-                            batch.tables["csa_inner_state"], caches.pool("csa_inner_state"), batch.slots["idx"],
+                            plan.tables["csa_inner_state"], caches.pool("csa_inner_state"), batch.slots["idx"],
                             caches.pool("idx"), caches.pool("idx_scale"), weights, start.cos, start.sin,
                             eps=config.rms_norm_eps, precision=plan.precision,
-                            windows=plan.state_windows["csa_inner_state"])
+                            windows=plan.state_windows["csa_inner_state"], table_row=plan.table_row)
 
     def query(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, weights: PreparedWeights
               ) -> QueryPath:
@@ -104,12 +105,13 @@ class ReferenceStages:
         iq = index_query(query.low_rank, x[rows], weights, cos, sin, config.index_n_heads,
                          config.index_weight_scale, plan.precision)
         candidates = IndexCandidates(plan.visible[INDEX_RATIO][rows], plan.entry_rows_in("idx", lo, hi))
-        return lightning_topk(iq, plan.positions[rows], plan.request[rows], plan.batch.tables["idx"],
+        return lightning_topk(iq, plan.positions[rows], plan.request[rows], plan.tables["idx"],
                               caches.pool("idx"), caches.pool("idx_scale"), topk=config.index_topk,
-                              precision=plan.precision, runs=plan.runs_in(lo, hi), candidates=candidates)
+                              precision=plan.precision, runs=plan.runs_in(lo, hi), candidates=candidates,
+                              table_row=plan.table_row[rows])
 
     def chosen_entry_rows(self, plan: BatchPlan, rows: slice, entries: np.ndarray) -> np.ndarray:
-        return chosen_entry_rows(entries, plan.request[rows], plan.batch.tables["csa_cmp"])
+        return chosen_entry_rows(entries, plan.table_row[rows], plan.tables["csa_cmp"])
 
     def sparse_attention(self, plan: BatchPlan, layer: int, rows: slice, query: QueryPath, keys: KeyRows,
                          weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:

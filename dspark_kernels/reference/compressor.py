@@ -57,11 +57,12 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
              state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor,
              cos: np.ndarray, sin: np.ndarray, *, page_size: int, eps: float,
              precision: Precision, windows: StateWindows | None = None,
-             rotate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+             rotate: bool = False, table_row: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Run one compressor over a TP group's rows; writes the state ring, returns the new entries.
 
     x: [P, X] float32 hidden rows (bf16 values in a2a3); positions [P]; request [P] (-1 padding);
-    state_slots: [P] int64 state-pool row of each token (-1 = no write); state_table: [R, width] int32;
+    state_slots: [P] int64 state-pool row of each token (-1 = no write); state_table: [R_t, width] int32, read at
+    row ``table_row`` [P] of each token (default ``request``; -1 on padding rows);
     state_pool: [rows, 2*coff*d] float32, **mutated** (the ``[kv | score]`` rows of every live token);
     cos, sin: [P, rd/2] RoPE at each row's window start
     (:func:`~dspark_kernels.model.geometry.window_start_positions`). windows: the plan's windows of this state
@@ -73,7 +74,8 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
     """
     ratio, d = weights.ratio, weights.dim
     request = np.asarray(request)
-    b, rows = (window_state_rows(positions, request, state_table, ratio, page_size) if windows is None
+    table_row = request if table_row is None else np.asarray(table_row)
+    b, rows = (window_state_rows(positions, table_row, state_table, ratio, page_size) if windows is None
                else (windows.boundaries, windows.rows))
     issues = coverage_issues(positions, request, b, rows, ratio, "state_table")
     if issues:
@@ -115,18 +117,19 @@ def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarra
                         state_table: np.ndarray, state_pool: np.ndarray, idx_slots: np.ndarray,
                         idx_pool: np.ndarray, idx_scale_pool: np.ndarray, w: PreparedWeights,
                         cos: np.ndarray, sin: np.ndarray, *, eps: float, precision: Precision,
-                        windows: StateWindows | None = None) -> None:
+                        windows: StateWindows | None = None, table_row: np.ndarray | None = None) -> None:
     """Indexer compressor over a TP group's rows; **mutates** the inner state, idx and idx_scale pools.
 
     x [P, X]; positions, request [P]; state_slots, idx_slots [P] int64 (-1 = no write); state_table [R, w];
     state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32 and deepseek); idx_scale_pool [rows];
-    cos, sin [P, rd/2] at each row's window start; windows: the plan's ``csa_inner_state`` windows (or None).
+    cos, sin [P, rd/2] at each row's window start; windows: the plan's ``csa_inner_state`` windows (or None);
+    table_row [P]: the state_table row of each token (default ``request``).
     """
     if w.idx_compressor is None or w.idx_hadamard is None:
         raise ValueError("compress_index_keys needs CSA weights (indexer compressor and Hadamard)")
     b, y = compress(x, positions, request, state_slots, state_table, state_pool, w.idx_compressor, cos, sin,
                     page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, windows=windows,
-                    rotate=True)
+                    rotate=True, table_row=table_row)
     z = ds.index_fake_quant(y) if precision == "deepseek" else y @ w.idx_hadamard     # (B, dI)
     slots = np.asarray(idx_slots)[b]
     if precision != "a2a3":

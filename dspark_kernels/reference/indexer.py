@@ -109,10 +109,11 @@ def index_scores(query: IndexerQuery, keys: np.ndarray, key_scale: np.ndarray, p
 def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarray, idx_table: np.ndarray,
                    idx_pool: np.ndarray, idx_scale_pool: np.ndarray, *, topk: int,
                    precision: Precision, runs: Sequence[Run] | None = None,
-                   candidates: IndexCandidates | None = None) -> np.ndarray:
+                   candidates: IndexCandidates | None = None, table_row: np.ndarray | None = None) -> np.ndarray:
     """Top-k compressed entries of every query row, from its own request's visible entries only.
 
-    query over T rows; positions, request [T] (-1 padding); idx_table [R, width]; idx_pool [rows, dI];
+    query over T rows; positions, request [T] (-1 padding); idx_table [R_t, width], read at row ``table_row`` [T]
+    of each row (default ``request``); idx_pool [rows, dI];
     idx_scale_pool [rows]; runs: the rows' request runs (the plan's,
     :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived from ``request`` when None); candidates: the
     plan's visible counts and candidate rows of these rows (looked up from positions and idx_table when None). Returns
@@ -132,7 +133,8 @@ def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarr
         if count == 0:
             continue
         if candidates is None:
-            rows = request_rows(idx_table[r], np.arange(count), KV_PAGE_SIZE)        # (C,)
+            row = r if table_row is None else int(table_row[start])
+            rows = request_rows(idx_table[row], np.arange(count), KV_PAGE_SIZE)      # (C,)
         else:  # the run's widest row sees every entry of the run: its candidate rows are the run's keys
             rows = candidates.rows[start + int(np.argmax(visible)), :count]
         keys, mapped = gather_rows(idx_pool, rows)                                    # (C, dI)
