@@ -145,6 +145,44 @@ class StateWindows:
     rows: np.ndarray
 
 
+@attrs.frozen(eq=False)
+class CompressorState:
+    """One compressor's state addressing: its ring, where each group row writes and how windows are read back.
+
+    pool: [S, 2*coff*d] float32 state rows (``[kv | score]``), **mutated** by the compressor.
+    slots: [P] int64 state row each group row writes (-1 = no write: padding rows).
+    table: [R_t, W] int32 block table of the state pool (-1 = unmapped); table_row: [P] int32 the row of it each
+    group row reads (-1 on padding rows; the request for a batch's own tables, :attr:`BatchPlan.table_row`).
+    page_size: state rows per block; ring: the table is a ring table (``PoolLayout.is_ring``, True for every
+    state pool). windows: the plan's boundary rows and window state rows of this pool, or None (looked up from
+    ``table`` by :meth:`window_rows`).
+    """
+
+    pool: np.ndarray
+    slots: np.ndarray
+    table: np.ndarray
+    table_row: np.ndarray
+    page_size: int
+    ring: bool = True
+    windows: StateWindows | None = None
+
+    def window_rows(self, positions: np.ndarray, ratio: int) -> tuple[np.ndarray, np.ndarray]:
+        """(boundary rows [B] int64, their windows' state rows [B, span] int64, -1 = missing slot): the plan's
+        ``windows`` when given, else :func:`~dspark_kernels.model.geometry.window_state_rows`."""
+        if self.windows is not None:
+            return self.windows.boundaries, self.windows.rows
+        return window_state_rows(positions, self.table_row, self.table, ratio, self.page_size)
+
+
+@attrs.frozen(eq=False)
+class IndexKeyPools:
+    """The lightning indexer's key cache of one layer: ``keys`` [rows, dI] (int8 in a2a3, float32 in fp32 and
+    deepseek) and their dequant ``scales`` [rows] float32 (1.0 in fp32 and deepseek)."""
+
+    keys: np.ndarray
+    scales: np.ndarray
+
+
 #: The compressed pool whose visible entries a layer kind reads through the plan's ``entry_rows``.
 ENTRY_POOLS: dict[LayerKind, str] = {"csa": "idx", "hca": "hca_cmp"}
 
@@ -253,6 +291,14 @@ class BatchPlan:
     def query_table_row(self) -> np.ndarray:
         """[rows] int32 ``table_row`` of each query row; -1 on padding rows."""
         return self.table_row[self.row_start:self.row_stop]
+
+    def compressor_state(self, pool: str, ring: np.ndarray) -> CompressorState:
+        """The :class:`CompressorState` of state pool ``pool`` (e.g. ``"csa_state"``) over ``ring``, the layer's
+        array of that pool: the batch's slots, the plan's table, table rows and windows."""
+        pl = self.config.layout.pools[pool]
+        return CompressorState(pool=ring, slots=self.batch.slots[pool], table=self.tables[pool],
+                               table_row=self.table_row, page_size=pl.page_size, ring=pl.is_ring,
+                               windows=self.state_windows[pool])
 
     def query_slice(self, lo: int, hi: int) -> slice:
         """Group rows ``[lo, hi)`` (inside the query rows) as a slice of the per-query-row arrays."""
