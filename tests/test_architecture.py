@@ -204,7 +204,8 @@ def test_a_forward_builds_one_plan_and_prepares_each_layer_once(monkeypatch):
     cache = prepared.PreparedWeightsCache()
     for _ in range(2):
         tokens = np.zeros(batch.padded_rows, np.int64)
-        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks), prepared=cache)
+        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks),
+                            forward.ForwardOptions(prepared=cache))
     assert len(plans) == 2 and prepares == list(range(TINY.num_layers))  # the caller's cache is reused
 
 
