@@ -204,7 +204,8 @@ def test_a_forward_builds_one_plan_and_prepares_each_layer_once(monkeypatch):
     cache = prepared.PreparedWeightsCache()
     for _ in range(2):
         tokens = np.zeros(batch.padded_rows, np.int64)
-        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks), prepared=cache)
+        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks),
+                            forward.ForwardOptions(prepared=cache))
     assert len(plans) == 2 and prepares == list(range(TINY.num_layers))  # the caller's cache is reused
 
 
@@ -233,6 +234,17 @@ def test_plan_lookups_are_the_stage_lookups(tp):
                                         pools[pool].page_size)
             np.testing.assert_array_equal(plan.state_windows[pool].boundaries, b)
             np.testing.assert_array_equal(plan.state_windows[pool].rows, rows)
+
+
+def test_kernels_read_block_tables_through_the_plan():
+    """Every kernel table lookup is ``plan.tables[pool][plan.table_row[rows], column]``: no module reads a batch's
+    ``.tables`` but the plan that copies them (and the pypto backend's index-range pre-check of a batch)."""
+    readers = set()
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "tables" and "batch" in ast.unparse(node.value):
+                readers.add(str(path.relative_to(PACKAGE)))
+    assert readers == {"model/plan.py", "pypto/backend.py"}
 
 
 def test_no_kernel_module_keys_state_by_object_identity():
