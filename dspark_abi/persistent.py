@@ -179,7 +179,7 @@ class PersistentTables:
         return _readonly(self._tables[pool])
 
     @property
-    def tables(self) -> dict[PoolName, np.ndarray]:
+    def tables(self) -> dict[str, np.ndarray]:
         """pool -> read-only view of its table (what kernels read, ``table_row = table_slots[request]``)."""
         return {p: _readonly(t) for p, t in self._tables.items()}
 
