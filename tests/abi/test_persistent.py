@@ -289,3 +289,25 @@ def test_persistent_vectors_are_up_to_date(tmp_path):
     assert listed == {p.relative_to(PERSISTENT_VECTORS).as_posix() for p in PERSISTENT_VECTORS.rglob("*.safetensors")}
     codes = {c for e in _persistent_entries() for c in e["expected"]["codes"]}
     assert {"tables.slot", "tables.stale_slot", "delta.mapped", "delta.released"} <= codes
+
+
+def test_add_verify_many_equals_add_verify_one_by_one():
+    loop = Loop(TINY_DSPARK, 9, max_new=60)
+    loop.commit(loop.both()[1])
+    ids = sorted(loop.live)
+    widths = [1 + i % TINY_DSPARK.max_verify_width for i in range(len(ids))]
+    tokens = [list(range(3 * i, 3 * i + w)) for i, w in enumerate(widths)]
+    for rid, tids in zip(ids, tokens, strict=True):
+        loop.builder.add_verify(rid, loop.live[rid], tids)
+    one_by_one = loop.builder.build()
+    loop.builder.add_verify_many(ids, [loop.live[i] for i in ids], widths, [t for ts in tokens for t in ts])
+    assert loop.builder.build() == one_by_one
+    loop.builder.add_verify_many(ids, [loop.live[i] for i in ids], widths, None)
+    with pytest.raises(ABIError) as err:
+        loop.builder.build()
+    assert err.value.codes == {"builder.request"}
+    loop.builder.clear()
+    loop.builder.add_many(ids, [loop.live[i] for i in ids], widths, logits="verify")    # not a verify form
+    with pytest.raises(ABIError) as err:
+        loop.builder.build()
+    assert err.value.codes == {"builder.request"}
