@@ -528,7 +528,7 @@ def check_step(step: PersistentStep, tables: PersistentTables, *,
     """Every rule the persistent ``step`` breaks against ``tables`` (as of the step's build, before its commit).
 
     ``incremental``: O(cells the step changes + R + rows): the tables' kept proof, the step's slots and
-    generations, its delta (:func:`_check_delta`), the token rules of the full form and each live row's slots
+    generations, its delta (:func:`_delta_issues`), the token rules of the full form and each live row's slots
     against the cell of its page. ``full``: stateless: the tables proven from scratch (O(S x width)), the delta,
     then the full validator on :meth:`PersistentStep.to_full`'s arrays. Both report no issue for exactly the same
     steps (tests/abi/test_persistent.py). ``derived``: see :func:`_check` (the builder's own steps only)."""
@@ -570,9 +570,9 @@ def _shape_report(arrays: Mapping[str, Any], config: ModelConfig, policy: Paddin
                                 actual=list(a.shape)))
     if issues:
         return ValidationReport(tuple(issues))
-    assert_widths = widths if isinstance(widths, np.ndarray) else np.ones(7, np.int32)
+    given = widths if isinstance(widths, np.ndarray) else np.ones(7, np.int32)
     fake = {TABLE_FIELDS[p]: np.broadcast_to(np.int32(-1), (n_req, max(int(w), 0)))
-            for p, w in zip(POOL_NAMES, assert_widths.tolist(), strict=True)}
+            for p, w in zip(POOL_NAMES, given.tolist(), strict=True)}
     shared = {f.name: arrays[f.name] for f in SHARED_FIELDS if f.name in arrays}
     return validate_arrays(shared | fake, config, policy, pool_blocks, level="shape")
 
