@@ -40,6 +40,7 @@ from dspark_abi.fields import (
     SHARED_FIELDS,
     SLOT_SPECS,
     TABLE_FIELDS,
+    FieldSpec,
 )
 from dspark_abi.layout import (
     POOL_NAMES,
@@ -616,13 +617,116 @@ Runs = dict[PoolName, tuple[np.ndarray, np.ndarray]]
 
 def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[Issue], Runs]:
     """The delta's issues (``delta.mapped``, ``delta.released``) and per pool the [R] runs ``[first, end)`` each
-    request's slot holds once the step is applied. O(cells changed + R); slots known current (:func:`_current`)."""
+    request's slot holds once the step is applied. O(cells changed + R); slots known current (:func:`_current`).
+
+    The seven pools' cells are checked together (one array with a pool column, the per-pool constants gathered by
+    it): the rules are the same for every pool, and numpy's per-call overhead, not the cells, is the cost of a
+    decode-rate step. Only the table and owner reads go pool by pool (each pool has its own arrays)."""
     issues: list[Issue] = []
     slots = step.table_slots.astype(np.int64)
+    n_req = slots.size
     order = np.argsort(slots, kind="stable")
     index = (slots, order, slots[order])
-    runs: Runs = {p: _pool_delta(issues, tables, step, p, index) for p in POOL_NAMES}
-    return issues, runs
+    layout = tables.layout
+    first = np.stack([tables._first[p][slots] for p in POOL_NAMES]).reshape(-1)     # [7 * R], pool-major
+    end = np.stack([tables._end[p][slots] for p in POOL_NAMES]).reshape(-1)
+    width = np.array([tables._tables[p].shape[1] for p in POOL_NAMES], np.int64)
+    ring = np.array([layout.pools[p].is_ring for p in POOL_NAMES])
+    n_blocks = np.array([tables.pool_blocks[p] for p in POOL_NAMES], np.int64)
+
+    r_pool, r_slot, r_page, r_block = _pooled(step.released)
+    r_req, r_in = _in_step(index, r_slot)
+    r_run = r_pool * n_req + r_req                                     # index into the [7 * R] runs
+    held = r_in & (r_page >= first[r_run]) & (r_page < end[r_run])
+    cell = np.full(r_slot.size, -2, np.int64)
+    for p, at in _segments(r_pool, held):
+        table = tables._tables[p]
+        cell[at] = table[r_slot[at], table_column(layout.pools[p], r_page[at], table.shape[1])]
+    _flag_pools(issues, "delta.released", RELEASED_SPECS, r_pool, ~held | (cell != r_block), "a released cell must "
+                "be a page of the step's slot's run holding the block it names", expected=cell, actual=r_block)
+    r_keys = _ordered(r_run * _KEY + r_page)[0]
+    _flag_pools(issues, "delta.released", RELEASED_SPECS, r_keys[1:] // _KEY // n_req, r_keys[1:] == r_keys[:-1],
+                "a cell is released twice", expected="distinct cells", actual=r_keys[1:] % _KEY)
+    k = np.bincount(r_run[held], minlength=7 * n_req)
+    top = _page_bounds(r_run[held], r_page[held], 7 * n_req)[1] - 1
+    runs_of = np.repeat(np.arange(7), n_req)
+    _flag_pools(issues, "delta.released", RELEASED_SPECS, runs_of, (k > 0) & (top >= first + k), "released pages "
+                "must be the front of the slot's run", expected=first + k - 1, actual=top, per_request=n_req)
+    after_first = first + k
+    freed = _ordered(r_pool[held] * _KEY + r_block[held])[0]          # (pool, block) a held release frees
+
+    m_pool, m_slot, m_page, m_block = _pooled(step.mapped)
+    m_req, m_in = _in_step(index, m_slot)
+    m_run = m_pool * n_req + m_req
+    inside = m_in & (m_page >= after_first[m_run]) & (m_page < end[m_run])
+    bad = ~m_in | (m_page < 0) | inside | (~ring[m_pool] & (m_page >= width[m_pool]))
+    _flag_pools(issues, "delta.mapped", MAPPED_SPECS, m_pool, bad, "a mapped cell must be an unmapped page of a slot "
+                "of the step (a compressed page below the table width)", expected="a page outside the run, below "
+                "a compressed table's width", actual=m_page)
+    in_range = (m_block >= 0) & (m_block < n_blocks[m_pool])
+    owner = np.full(m_block.size, -1, np.int64)
+    for p, at in _segments(m_pool, in_range):
+        owner[at] = tables._owner[p][m_block[at]]
+    taken = owner >= 0
+    if taken.any() and freed.size:       # a block the same delta releases may be mapped again
+        keys = m_pool * _KEY + m_block
+        taken &= freed[np.minimum(np.searchsorted(freed, keys), freed.size - 1)] != keys
+    _flag_pools(issues, "delta.mapped", MAPPED_SPECS, m_pool, ~in_range | taken, "a mapped block must be in the "
+                "pool and free (or released by this delta)", expected="a free block", actual=m_block)
+    for what, keys in (("cell", m_run * _KEY + m_page), ("block", m_pool * _KEY + m_block)):
+        ordered = _ordered(keys)[0]
+        pool_of = ordered[1:] // _KEY // (n_req if what == "cell" else 1)
+        _flag_pools(issues, "delta.mapped", MAPPED_SPECS, pool_of, ordered[1:] == ordered[:-1],
+                    f"a {what} is mapped twice", expected=f"distinct {what}s", actual=ordered[1:] % _KEY)
+    ok = ~bad
+    count = np.bincount(m_run[ok], minlength=7 * n_req)
+    lo, hi = _page_bounds(m_run[ok], m_page[ok], 7 * n_req)
+    kept = np.clip(end - after_first, 0, None)
+    has_run = kept > 0
+    new_first = np.where(has_run, np.minimum(after_first, lo), lo)
+    new_end = np.where(has_run, np.maximum(end, hi), hi)
+    total = kept + count
+    grew = count > 0
+    broken = grew & ((new_end - new_first != total) | (ring[runs_of] & (total > width[runs_of])))
+    _flag_pools(issues, "delta.mapped", MAPPED_SPECS, runs_of, broken, "the slot's pages must form one run after the "
+                "step (at most the ring width)", expected=total, actual=new_end - new_first, per_request=n_req)
+    run_first = np.where(grew, new_first, after_first).reshape(7, n_req)
+    run_end = np.where(grew, new_end, end).reshape(7, n_req)
+    return issues, {p: (run_first[i], run_end[i]) for i, p in enumerate(POOL_NAMES)}
+
+
+def _pooled(cells: DeltaCells) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(pool index, slot, page, block) int64 of the seven pools' cells, pools in ABI order."""
+    arrays = [cells[p] for p in POOL_NAMES]
+    sizes = [a.shape[0] for a in arrays]
+    joined = np.concatenate(arrays).astype(np.int64) if sum(sizes) else np.zeros((0, 3), np.int64)
+    return np.repeat(np.arange(7, dtype=np.int64), sizes), joined[:, 0], joined[:, 1], joined[:, 2]
+
+
+def _segments(pool: np.ndarray, mask: np.ndarray) -> list[tuple[PoolName, np.ndarray]]:
+    """Per pool with cells under ``mask``: (pool, their indices) (pool-major cells: one slice each)."""
+    if not mask.any():
+        return []
+    at = np.flatnonzero(mask)
+    bounds = np.searchsorted(pool[at], np.arange(8))
+    return [(p, at[bounds[i]:bounds[i + 1]]) for i, p in enumerate(POOL_NAMES) if bounds[i + 1] > bounds[i]]
+
+
+def _flag_pools(issues: list[Issue], code: str, specs: Mapping[PoolName, FieldSpec], pool: np.ndarray,
+                mask: np.ndarray, message: str, *, expected: Any, actual: Any, per_request: int | None = None) -> None:
+    """:func:`_flag` once per pool with offenders, in pool order, naming that pool's field (index: the offender's
+    entry of the field; with ``per_request``, ``mask`` is pool-major over [7 * R] and the index is the request)."""
+    if not mask.any():
+        return
+    for i, p in enumerate(POOL_NAMES):
+        mine = pool == i
+        if not (mask & mine).any():
+            continue
+        offset = int(np.argmax(mine))            # cells and runs are pool-major: the pool's first entry
+        hits = mask & mine
+        index = np.arange(mask.size) - offset
+        _flag(issues, code, specs[p].name, hits, message, index_of=index,
+              request_of=index if per_request is not None else None, expected=expected, actual=actual)
 
 
 def _in_step(index: tuple[np.ndarray, np.ndarray, np.ndarray], wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -633,74 +737,6 @@ def _in_step(index: tuple[np.ndarray, np.ndarray, np.ndarray], wanted: np.ndarra
     at = order[np.minimum(np.searchsorted(ordered, wanted), slots.size - 1)]
     found = slots[at] == wanted
     return np.where(found, at, 0), found
-
-
-def _pool_delta(issues: list[Issue], tables: PersistentTables, step: PersistentStep, p: PoolName,
-                index: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """One pool's delta checked against the kept proof; the [R] runs after it. A pool the step does not change
-    costs two gathers."""
-    slots = index[0]
-    n_req = slots.size
-    pl, table = tables.layout.pools[p], tables._tables[p]
-    n_blocks, width = tables.pool_blocks[p], table.shape[1]
-    first, end = tables._first[p][slots], tables._end[p][slots]
-    after_first, r_block_held = first, _EMPTY
-    if step.released[p].shape[0]:
-        r_slot, r_page, r_block = step.released.cells(p)
-        r_req, r_in = _in_step(index, r_slot)
-        r_field = RELEASED_SPECS[p].name
-        held = r_in & (r_page >= first[r_req]) & (r_page < end[r_req])
-        cell = np.full(r_slot.size, -2, np.int64)
-        cell[held] = table[r_slot[held], table_column(pl, r_page[held], width)]
-        _flag(issues, "delta.released", r_field, ~held | (cell != r_block), "a released cell must be a page of the "
-              "step's slot's run holding the block it names", expected=cell, actual=r_block)
-        r_sorted = np.sort(r_req * _KEY + r_page)
-        _flag(issues, "delta.released", r_field, r_sorted[1:] == r_sorted[:-1], "a cell is released twice",
-              expected="distinct cells", actual=r_sorted[1:] % _KEY)
-        k = np.bincount(r_req[held], minlength=n_req)
-        top = np.full(n_req, -1, np.int64)
-        np.maximum.at(top, r_req[held], r_page[held])
-        _flag(issues, "delta.released", r_field, (k > 0) & (top >= first + k), "released pages must be the front "
-              "of the slot's run", request_of=np.arange(n_req), expected=first + k - 1, actual=top)
-        after_first, r_block_held = first + k, r_block[held]
-    if not step.mapped[p].shape[0]:
-        return after_first, end
-    m_slot, m_page, m_block = step.mapped.cells(p)
-    m_req, m_in = _in_step(index, m_slot)
-    m_field = MAPPED_SPECS[p].name
-    inside = m_in & (m_page >= after_first[m_req]) & (m_page < end[m_req])
-    bad = ~m_in | (m_page < 0) | inside
-    if not pl.is_ring:
-        bad |= m_page >= width
-    _flag(issues, "delta.mapped", m_field, bad, "a mapped cell must be an unmapped page of a slot of the step "
-          "(a compressed page below the table width)", expected=f"a page outside the run, < {width}"
-          if not pl.is_ring else "a page outside the run", actual=m_page)
-    in_range = (m_block >= 0) & (m_block < n_blocks)
-    owner = np.full(m_block.size, -1, np.int64)
-    owner[in_range] = tables._owner[p][m_block[in_range]]
-    taken = owner >= 0
-    if taken.any() and r_block_held.size:       # sorted lookup: isin's table method sizes itself by the block ids
-        freed = np.sort(r_block_held)
-        taken &= freed[np.minimum(np.searchsorted(freed, m_block), freed.size - 1)] != m_block
-    _flag(issues, "delta.mapped", m_field, ~in_range | taken, f"a mapped block must be in [0, {n_blocks}) and free "
-          "(or released by this delta)", expected="a free block", actual=m_block)
-    for what, keys in (("cell", m_req * _KEY + m_page), ("block", m_block)):
-        ordered = _ordered(keys)[0]
-        _flag(issues, "delta.mapped", m_field, ordered[1:] == ordered[:-1], f"a {what} is mapped twice",
-              expected=f"distinct {what}s", actual=ordered[1:])
-    ok = ~bad
-    count = np.bincount(m_req[ok], minlength=n_req)
-    lo, hi = _page_bounds(m_req[ok], m_page[ok], n_req)
-    kept = np.clip(end - after_first, 0, None)
-    has_run = kept > 0
-    new_first = np.where(has_run, np.minimum(after_first, lo), lo)
-    new_end = np.where(has_run, np.maximum(end, hi), hi)
-    total = kept + count
-    broken = (count > 0) & ((new_end - new_first != total) | (pl.is_ring & (total > width)))
-    _flag(issues, "delta.mapped", m_field, broken, "the slot's pages must form one run after the step (at most "
-          "the ring width)", request_of=np.arange(n_req), expected=total, actual=new_end - new_first)
-    grew = count > 0
-    return np.where(grew, new_first, after_first), np.where(grew, new_end, end)
 
 
 def _page_bounds(req: np.ndarray, page: np.ndarray, n_req: int) -> tuple[np.ndarray, np.ndarray]:
