@@ -37,7 +37,7 @@ from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.incremental import Proposal, StepValidator
 from dspark_abi.layout import POOL_NAMES, physical_rows, verify_headroom, written_logical
-from dspark_abi.persistent import DeltaCells, PersistentStep, cell_blocks, check_step, step_widths
+from dspark_abi.persistent import DeltaCells, PersistentStep, check_step, step_widths, written_slots
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.requests import BatchRequests, implied_logit_rows
@@ -607,16 +607,11 @@ class BatchBuilder:
         floor = {pl.name: verify_headroom(pl, widest) for pl in layout} if widest else None
         widths = step_widths(layout, self.config.sliding_window, starts, ends, fixed_ring=self.fixed_ring,
                              ring_floor=floor)
-        row_slot = plan.rows[row_request]
+        written = written_slots(layout, persistent, plan.rows[row_request], pos, plan.map_cells, plan.release_cells)
         slots = {}
         for p in POOL_NAMES:
-            pl = layout.pools[p]
-            logical = written_logical(pl, pos)
-            writes = logical >= 0
-            page = np.where(writes, logical // pl.page_size, 0)
-            block = cell_blocks(pl, persistent, row_slot, page, plan.map_cells[p], plan.release_cells[p])
             s = np.full(p_rows, policy.pad_slot, dtype=np.int64)
-            s[:n] = np.where(writes & (block >= 0), block * pl.page_size + (logical - page * pl.page_size), -1)
+            s[:n] = written[p]
             slots[p] = s
         table_slots = plan.rows.astype(np.int32)
         built = PersistentStep(

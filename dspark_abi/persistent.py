@@ -45,7 +45,6 @@ from dspark_abi.fields import (
 from dspark_abi.layout import (
     POOL_NAMES,
     CacheLayout,
-    PoolLayout,
     PoolName,
     live_pages,
     live_range,
@@ -756,25 +755,34 @@ def _page_bounds(req: np.ndarray, page: np.ndarray, n_req: int) -> tuple[np.ndar
     return lo, hi
 
 
-def cell_blocks(pl: PoolLayout, tables: PersistentTables, slots: np.ndarray, pages: np.ndarray,
-                mapped: Cells, released: Cells) -> np.ndarray:
-    """[T] int64 block of each (slot, page) once a delta (``mapped``, ``released``: (slots, pages, blocks)) is
-    applied to ``tables``; -1 = unmapped. O(T log(cells changed)), no table copied: a held page is read from the
-    table (and looked up among the released cells), a page outside the run among the mapped cells only."""
-    p = pl.name
-    table = tables._tables[p]
-    held = (pages >= tables._first[p][slots]) & (pages < tables._end[p][slots])
-    width = table.shape[1]
-    flat = slots * width + table_column(pl, np.where(held, pages, 0), width)     # one gather, flattened table
-    block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
-    for (c_slot, c_page, c_block), rows, is_map in ((released, held, False), (mapped, ~held, True)):
-        if c_slot.size and rows.any():
-            at = np.flatnonzero(rows)
-            ordered, order = _ordered(c_slot * _KEY + c_page)
-            found, hit = _find(ordered, slots[at] * _KEY + pages[at])
-            cell = found[hit] if order is None else order[found[hit]]
-            block[at[hit]] = c_block[cell] if is_map else -1
-    return block
+def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.ndarray, pos: np.ndarray,
+                  mapped: Mapping[PoolName, Cells], released: Mapping[PoolName, Cells]) -> dict[PoolName, np.ndarray]:
+    """pool -> [N] int64 slot mapping of rows at positions ``pos`` whose requests sit in slots ``row_slot``: the
+    physical row each writes once the delta (``mapped``, ``released``: pool -> (slots, pages, blocks)) is applied to
+    ``tables``, -1 where it writes nothing or its page is unmapped. The one home of a persistent step's slots
+    (``build_step`` derives them, ``check_step`` re-derives them). A page the slot holds is read from the table (and
+    looked up among the released cells), any other among the mapped cells; a pool without such cells skips the
+    search (measured: one search over all pools with a pool key is slower, it searches rows no pool needs).
+    O(N log(cells changed)), no table copied."""
+    out = {}
+    for p in POOL_NAMES:
+        pl, table = layout.pools[p], tables._tables[p]
+        width = table.shape[1]
+        logical = written_logical(pl, pos)
+        writes = logical >= 0
+        page = np.where(writes, logical // pl.page_size, 0)
+        held = (page >= tables._first[p][row_slot]) & (page < tables._end[p][row_slot])
+        flat = row_slot * width + table_column(pl, np.where(held, page, 0), width)     # one gather, flattened
+        block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
+        for (c_slot, c_page, c_block), rows, is_map in ((released[p], held, False), (mapped[p], ~held, True)):
+            if c_slot.size and rows.any():
+                at = np.flatnonzero(rows)
+                ordered, order = _ordered(c_slot * _KEY + c_page)
+                found, hit = _find(ordered, row_slot[at] * _KEY + page[at])
+                cell = found[hit] if order is None else order[found[hit]]
+                block[at[hit]] = c_block[cell] if is_map else -1
+        out[p] = np.where(writes & (block >= 0), block * pl.page_size + (logical - page * pl.page_size), -1)
+    return out
 
 
 def _ordered(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -790,7 +798,7 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
     """The incremental proof (:func:`check_step`) and the runs after the step.
 
     derived: the step was just assembled by ``BatchBuilder.build_step`` under the allocator's lock, its arrays in
-    their declared dtypes and its slot mappings read from these very tables and delta by :func:`cell_blocks` (the
+    their declared dtypes and its slot mappings read from these very tables and delta by :func:`written_slots` (the
     one home of that lookup): the shapes and the per-row slot lookups are not repeated (the full form's builder
     skips re-validating the arrays it validated the same way). The slots, generations, delta, token rules and
     coverage are checked either way."""
@@ -819,6 +827,7 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
     row_slot = slots[req]
     request = np.arange(slots.size)
     nonempty = ok_req & (end > start)
+    derived_slots: dict[PoolName, np.ndarray] | None = None
     for p in POOL_NAMES:
         pl = layout.pools[p]
         lo, hi = page_span(*live_range(pl, start, end, window), pl.page_size)
@@ -834,11 +843,12 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
               expected=np.stack([lo, hi], 1), actual=np.stack([new_first, new_end], 1))
         if derived:
             continue
-        logical = written_logical(pl, pos[rows])
-        writes = logical >= 0
-        page = np.where(writes, logical // pl.page_size, 0)
-        block = cell_blocks(pl, tables, row_slot, page, step.mapped.cells(p), step.released.cells(p))
-        want = np.where(writes & (block >= 0), block * pl.page_size + (logical - page * pl.page_size), -1)
+        if derived_slots is None:
+            derived_slots = written_slots(layout, tables, row_slot, pos[rows],
+                                          {q: step.mapped.cells(q) for q in POOL_NAMES},
+                                          {q: step.released.cells(q) for q in POOL_NAMES})
+        want = derived_slots[p]
+        writes = written_logical(pl, pos[rows]) >= 0
         got = step.slots[p][rows]
         field = SLOT_SPECS[p].name
         _flag(issues, "slots.off_boundary", field, ~writes & (got != -1), "set only on ratio boundaries",
@@ -910,5 +920,13 @@ def from_full(batch: PackedBatch, tables: PersistentTables) -> PersistentStep:
     return step
 
 
-__all__ = ["DeltaCells", "PersistentStep", "PersistentTables", "cell_blocks", "check_step", "from_full",
-           "narrow_tables", "step_widths"]
+__all__ = [
+    "DeltaCells",
+    "PersistentStep",
+    "PersistentTables",
+    "check_step",
+    "from_full",
+    "narrow_tables",
+    "step_widths",
+    "written_slots",
+]
