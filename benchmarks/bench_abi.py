@@ -2,12 +2,17 @@
 
     python benchmarks/bench_abi.py            # both scenarios, 15 repeats
     python benchmarks/bench_abi.py --quick    # 3 repeats (smoke run)
+    python benchmarks/bench_abi.py --scenario persistent    # full vs persistent form only
 
 Scenario "1m": FLASH at 1,048,576 positions, N = 8192 new tokens over R = 64 continuing requests (ragged chunks,
 ragged cached contexts up to 1M), TP = 4. Scenario "16k": FLASH_16K, N = 8192 over R = 512 requests.
 Scenario "verify": FLASH-DSpark with K = 7 drafts (upstream's S = 8 lanes), R = 256 verify requests of 8 rows at
 ragged contexts up to 1M, TP = 4, alone and with 64 prefill rows of another request mixed in: build + validation +
 commit (with ragged accepted counts), beside the same step built as a 2048-token prefill.
+Scenario "persistent": the full form (1.2: build + StepValidator + commit) beside the persistent form (1.3:
+build_step, its incremental check, commit writing the delta in place) for those verify steps, the 1m and 16k
+prefill steps, and the verify step again with the context and every pool doubled (2M positions): bytes written per
+step and time, each beside its bandwidth floor.
 A "build" figure is one whole step of the serving loop's metadata: build (plan, assemble, validate) plus the
 commit that advances the allocator after the forward. Every figure is a median of repeated runs in this one
 process, printed beside the memory-bandwidth floor of the bytes it must write (those bytes / a large np.copyto's
