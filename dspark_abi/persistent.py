@@ -838,9 +838,11 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
                   expected=need, actual=widths[p])
             continue
         new_first, new_end = runs[p]
-        _flag(issues, "coverage.unmapped", TABLE_FIELDS[p], nonempty & ((lo < new_first) | (hi > new_end)),
-              "a page the request reads or writes in this call is not held by its slot", request_of=request,
-              expected=np.stack([lo, hi], 1), actual=np.stack([new_first, new_end], 1))
+        uncovered = nonempty & ((lo < new_first) | (hi > new_end))
+        if uncovered.any():
+            _flag(issues, "coverage.unmapped", TABLE_FIELDS[p], uncovered, "a page the request reads or writes in "
+                  "this call is not held by its slot", request_of=request, expected=np.stack([lo, hi], 1),
+                  actual=np.stack([new_first, new_end], 1))
         if derived:
             continue
         if derived_slots is None:
