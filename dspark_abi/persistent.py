@@ -122,7 +122,7 @@ def narrow_tables(layout: CacheLayout, window: int, persistent: Mapping[PoolName
             live = (ends[at] > starts[at]) & (pages >= first[at])               # new pages it reads
         else:
             table = full[:, :width][slots]
-            live = pages < width                                                # empty requests' history
+            live = (pages >= 0) & (pages < width)                               # empty requests' history
         table[at[live], table_column(pl, pages[live], width)] = blocks[live]
         out[p] = table
     return out
