@@ -247,6 +247,27 @@ def test_kernels_read_block_tables_through_the_plan():
     assert readers == {"model/plan.py", "pypto/backend.py"}
 
 
+#: Stage entry points whose arguments are grouped into value objects (the plan's CompressorState, IndexKeyPools,
+#: RopeRows; IndexerWeights; ForwardOptions / RankContext), and the parameters each had before.
+GROUPED = {("reference/compressor.py", "compress"): 14, ("reference/compressor.py", "compress_index_keys"): 15,
+           ("pypto/compressor.py", "compress_into"): 14, ("pypto/indexer.py", "run_indexer"): 16,
+           ("reference/indexer.py", "lightning_topk"): 10, ("model/forward.py", "run_forward"): 14}
+
+
+def test_stage_entry_points_take_value_objects_not_long_parameter_lists():
+    """No more than 9 parameters (``**deprecated`` of run_forward's earlier keywords counts as one)."""
+    counts = {}
+    for path, tree in _sources():
+        for node in tree.body:
+            key = (str(path.relative_to(PACKAGE)), getattr(node, "name", ""))
+            if isinstance(node, ast.FunctionDef) and key in GROUPED:
+                a = node.args
+                extra = (a.vararg is not None) + (a.kwarg is not None)
+                counts[key] = len(a.posonlyargs + a.args + a.kwonlyargs) + extra
+    assert counts.keys() == GROUPED.keys()
+    assert all(n <= 9 for n in counts.values()), counts
+
+
 def test_no_kernel_module_keys_state_by_object_identity():
     """Per-plan state belongs to the plan: no module keeps a dict keyed by ``id(...)``."""
     for path, tree in _sources():
