@@ -282,11 +282,11 @@ class BlockAllocator:
         below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
         start_above = np.maximum(a, end)
         above = np.clip(b - start_above, 0, None)                   # [max(a, end), b): past the held run
-        owner_lo, page_lo = expand_ranges(a, below)
-        owner_hi, page_hi = expand_ranges(start_above, above)
-        owner = np.concatenate([owner_lo, owner_hi])
-        page = np.concatenate([page_lo, page_hi])
-        if owner_lo.size:                                           # rare: keep request-major order
+        owner, page = expand_ranges(start_above, above)
+        if below.any():                                             # rare: pages before the run, request-major order
+            owner_lo, page_lo = expand_ranges(a, below)
+            owner = np.concatenate([owner_lo, owner])
+            page = np.concatenate([page_lo, page])
             order = np.argsort(owner, kind="stable")
             owner, page = owner[order], page[order]
         return rows[owner], page
