@@ -30,9 +30,7 @@ from dspark_abi.errors import ABIError, Issue
 from dspark_abi.layout import (
     MAX_CHUNK_TOKENS,
     POOL_NAMES,
-    PoolLayout,
     PoolName,
-    live_range,
     page_span,
     table_column,
 )
@@ -232,91 +230,93 @@ class BlockAllocator:
             return self._plan(request_ids, starts, ends)
 
     def _plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
-        new_ids = tuple(r for r in request_ids if r not in self._row_of)
+        """The seven pools planned together: every per-request formula on [7, R] arrays with the pools' constants
+        as columns (:class:`~dspark_abi.layout.PoolColumns`), cells pool-major in flat arrays; only the table
+        reads and the free stacks go pool by pool (each pool has its own). Cost O(R + cells), no history."""
+        row_of = self._row_of
+        new_ids = tuple(r for r in request_ids if r not in row_of)
         if len(new_ids) > len(self._spare_rows):
-            self._grow(len(self._row_of) + len(new_ids))
+            self._grow(len(row_of) + len(new_ids))
         spare = iter(reversed(self._spare_rows))
         provisional = {r: next(spare) for r in new_ids}
-        rows = np.array([self._row_of.get(r, provisional.get(r)) for r in request_ids], dtype=np.int64)
+        rows = np.array([row_of[r] if r in row_of else provisional[r] for r in request_ids], dtype=np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-        to_map: dict[PoolName, tuple[np.ndarray, np.ndarray]] = {}
+        n_req = rows.size
+        fresh = np.isin(rows, list(provisional.values())) if new_ids else np.zeros(n_req, dtype=bool)
+        cols = self.layout.columns
+        held_first = np.stack([self._first[p][rows] for p in POOL_NAMES])        # [7, R] the runs held now
+        held_end = np.stack([self._end[p][rows] for p in POOL_NAMES])
+        first = np.where(fresh, 0, held_first)
+        end = np.where(fresh, 0, held_end)
+        lo, hi = cols.live_ranges(starts, ends)
+        a, b = page_span(lo, hi, cols.page_size)                                 # [7, R] the live pages
+
+        # release: the ring pages below the live range that earlier steps mapped (out of reach from now on)
+        keep_from = np.maximum(starts - cols.reach, 0) // cols.page_size
+        count = np.minimum(keep_from, held_end) - held_first
+        count *= (ends > starts) & ~fresh & cols.ring & (count > 0)
+        r_owner, r_page = expand_ranges(held_first.reshape(-1), count.reshape(-1))
+        r_pool, r_req = np.divmod(r_owner, n_req) if n_req else (r_owner, r_owner)
+        r_block = np.full(r_owner.size, -1, np.int64)
+        r_bounds = np.searchsorted(r_pool, np.arange(8)).tolist()
+        for i, p in enumerate(POOL_NAMES):
+            lo_i, hi_i = r_bounds[i], r_bounds[i + 1]
+            if hi_i > lo_i:
+                table = self._tables[p]
+                r_block[lo_i:hi_i] = table[rows[r_req[lo_i:hi_i]], table_column(self.layout.pools[p],
+                                                                               r_page[lo_i:hi_i], table.shape[1])]
+        kept = r_block >= 0
+        r_pool, r_rows, r_page, r_block = r_pool[kept], rows[r_req[kept]], r_page[kept], r_block[kept]
+
+        # map: the live pages outside the held run (only those are enumerated, never the whole history)
+        below = np.clip(np.minimum(b, first) - a, 0, None)                       # [a, min(b, first)): before the run
+        start_above = np.maximum(a, end)
+        above = np.clip(b - start_above, 0, None)                                # [max(a, end), b): past the run
+        m_owner, m_page = expand_ranges(start_above.reshape(-1), above.reshape(-1))
+        if below.any():                          # rare: pages before the run; request-major, pages ascending
+            owner_lo, page_lo = expand_ranges(a.reshape(-1), below.reshape(-1))
+            order = np.argsort(np.concatenate([owner_lo, m_owner]), kind="stable")
+            m_owner, m_page = np.concatenate([owner_lo, m_owner])[order], np.concatenate([page_lo, m_page])[order]
+        m_pool, m_req = np.divmod(m_owner, n_req) if n_req else (m_owner, m_owner)
+        m_rows = rows[m_req]
+
+        # runs after the step: a ring run's front is released as the request advances (or starts there when new)
+        has = hi > lo
+        after_first = np.where(cols.ring & has & (fresh | (end <= first)), a,
+                               np.where(cols.ring & has & (ends > starts), np.maximum(first, a), first))
+        after_end = np.where(has, np.maximum(end, b), end)
+
+        r_count = np.bincount(r_pool, minlength=7).tolist()
+        m_bounds = np.searchsorted(m_pool, np.arange(8)).tolist()
+        short: list[Issue] = []
+        map_cells: dict[PoolName, Cells] = {}
         release_cells: dict[PoolName, Cells] = {}
         mapped: dict[PoolName, tuple[np.ndarray, np.ndarray]] = {}
-        short: list[Issue] = []
-        fresh = np.isin(rows, list(provisional.values()))      # rows of requests new in this step
-        for p in POOL_NAMES:
-            pl = self.layout.pools[p]
-            released = self._plan_release(pl, rows, starts, ends, fresh)
-            cells = self._plan_map(pl, rows, starts, ends, fresh)
-            available = self._top[p] + released[0].size
-            if cells[0].size > available:
+        r_at = 0
+        for i, p in enumerate(POOL_NAMES):
+            need = m_bounds[i + 1] - m_bounds[i]
+            available = self._top[p] + r_count[i]
+            if need > available:
                 short.append(Issue("alloc.exhausted", f"pool_blocks.{p}",
-                                   f"pool {p!r} has {available} free blocks, this step needs {cells[0].size}",
-                                   expected=f">= {cells[0].size} free", actual=available))
+                                   f"pool {p!r} has {available} free blocks, this step needs {need}",
+                                   expected=f">= {need} free", actual=available))
+            if short:
+                r_at += r_count[i]
                 continue
-            to_map[p], release_cells[p] = cells, released
-            mapped[p] = self._mapped_after(pl, rows, starts, ends, fresh)
+            released = slice(r_at, r_at + r_count[i])
+            r_at += r_count[i]
+            release_cells[p] = (r_rows[released], r_page[released], r_block[released])
+            # blocks are assigned in plan order: released blocks are reused first, then the free stack
+            recycled, top = r_block[released].astype(np.int32), self._top[p]
+            reused = recycled[:need]
+            popped = self._free[p][top - (need - reused.size): top][::-1]
+            cells = slice(m_bounds[i], m_bounds[i + 1])
+            map_cells[p] = (m_rows[cells], m_page[cells], np.concatenate([reused, popped]))
+            mapped[p] = (after_first[i], after_end[i])
         if short:
             raise ABIError(short)
-        # blocks are assigned in plan order: released blocks are reused first, then the free stack
-        map_cells: dict[PoolName, Cells] = {}
-        for p in POOL_NAMES:
-            r_rows, r_pages = to_map[p]
-            recycled, top = release_cells[p][2].astype(np.int32), self._top[p]
-            reused = recycled[: r_rows.size]
-            popped = self._free[p][top - (r_rows.size - reused.size): top][::-1]
-            map_cells[p] = (r_rows, r_pages, np.concatenate([reused, popped]))
         return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped,
                         owner=self._token, generation=self._generation)
-
-    def _plan_map(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                  fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, pages) of the pages the step touches that are not mapped yet (empty requests keep their
-        live range mapped too), requests in batch order and pages ascending within each.
-
-        Cost O(R + pages mapped now): the pages a request already holds are one run ``[first, end)``, so only
-        the parts of its live range outside that run are enumerated, never its whole history."""
-        a, b = page_span(*live_range(pl, starts, ends, self.config.sliding_window), pl.page_size)
-        first = np.where(fresh, 0, self._first[pl.name][rows])
-        end = np.where(fresh, 0, self._end[pl.name][rows])
-        below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
-        start_above = np.maximum(a, end)
-        above = np.clip(b - start_above, 0, None)                   # [max(a, end), b): past the held run
-        owner, page = expand_ranges(start_above, above)
-        if below.any():                                             # rare: pages before the run, request-major order
-            owner_lo, page_lo = expand_ranges(a, below)
-            owner = np.concatenate([owner_lo, owner])
-            page = np.concatenate([page_lo, page])
-            order = np.argsort(owner, kind="stable")
-            owner, page = owner[order], page[order]
-        return rows[owner], page
-
-    def _plan_release(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                      fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The ring pages below the step's live range that earlier steps mapped (out of reach from now on)."""
-        if not pl.is_ring:
-            return (np.empty(0, np.int64),) * 3
-        first, end = self._first[pl.name][rows], self._end[pl.name][rows]
-        keep_from = np.maximum(0, starts - pl.reach) // pl.page_size
-        count = np.where((ends > starts) & ~fresh, np.clip(np.minimum(keep_from, end) - first, 0, None), 0)
-        owner, page = expand_ranges(first, count)
-        blocks = self._tables[pl.name][rows[owner], table_column(pl, page, pl.ring_width)].astype(np.int64)
-        mapped = blocks >= 0
-        return rows[owner][mapped], page[mapped], blocks[mapped]
-
-    def _mapped_after(self, pl: PoolLayout, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                      fresh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([R] first, [R] one past the last) logical page each request holds once the step is committed."""
-        lo, hi = live_range(pl, starts, ends, self.config.sliding_window)
-        has = hi > lo
-        first = np.where(fresh, 0, self._first[pl.name][rows])
-        end = np.where(fresh, 0, self._end[pl.name][rows])
-        new_first, new_end = page_span(lo, hi, pl.page_size)
-        if pl.is_ring:  # the run's front is released when the request advances (or starts there when new)
-            first = np.where(has & (fresh | (end <= first)), new_first,
-                             np.where(has & (ends > starts), np.maximum(first, new_first), first))
-        end = np.where(has, np.maximum(end, new_end), end)
-        return first, end
 
     # ------------------------------------------------------------------ mutation
     def commit(self, plan: StepPlan) -> None:

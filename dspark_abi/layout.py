@@ -105,6 +105,52 @@ class LayoutSource(Protocol):
     def index_head_dim(self) -> int: ...
 
 
+@attrs.frozen(eq=False)
+class PoolColumns:
+    """The seven pools' constants as [7, 1] int64 columns (pools in ABI order), so that one numpy call computes a
+    formula for all pools of a step at once ([7, R] or [7, N] results, pool-major): at decode rate numpy's
+    per-call overhead, not the element count, is the cost, and a loop over the pools multiplies it by seven.
+
+    Attributes (each [7, 1]): page_size; divisor (the ratio, 1 for the per-token pools, so ``logical // divisor``
+    is a compressed entry count or the position itself); reach (0 for the compressed pools); ring (bool);
+    ring_width; modulus (``ring_width`` for the ring pools, 2**62 for the compressed ones, so that
+    ``page - (page // modulus) * modulus`` is :func:`table_column`'s column for every pool).
+    """
+
+    page_size: np.ndarray
+    divisor: np.ndarray
+    reach: np.ndarray
+    ring: np.ndarray
+    ring_width: np.ndarray
+    modulus: np.ndarray
+
+    @classmethod
+    def of(cls, pools: Iterator[PoolLayout]) -> PoolColumns:
+        rows = list(pools)
+
+        def col(values: list[int] | list[bool], dtype: type = np.int64) -> np.ndarray:
+            a = np.array(values, dtype=dtype).reshape(-1, 1)
+            a.flags.writeable = False
+            return a
+
+        return cls(page_size=col([pl.page_size for pl in rows]), divisor=col([pl.ratio or 1 for pl in rows]),
+                   reach=col([pl.reach if pl.is_ring else 0 for pl in rows]),
+                   ring=col([pl.is_ring for pl in rows], bool), ring_width=col([pl.ring_width for pl in rows]),
+                   modulus=col([pl.ring_width if pl.is_ring else 2**62 for pl in rows]))
+
+    def live_ranges(self, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([7, R], [7, R]) int64 :func:`live_range` of every pool (the pools' own reach: ``W - 1`` for ori)."""
+        lo = np.maximum(start - self.reach, 0)
+        lo *= self.ring                                  # the compressed pools read their whole history
+        return lo, end // self.divisor
+
+    def column(self, page: np.ndarray, pool: np.ndarray | None = None) -> np.ndarray:
+        """:func:`table_column` in the persistent tables (``ring_width`` columns) of pages of a [7, n] array, or of
+        a flat one whose entries belong to ``pool`` ([n] pool index)."""
+        modulus = self.modulus if pool is None else self.modulus[pool, 0]
+        return page - (page // modulus) * modulus
+
+
 @attrs.frozen
 class CacheLayout:
     """All seven pools of a config. ``pools[name]`` gives a :class:`PoolLayout`; iterating yields them in ABI order.
@@ -118,6 +164,11 @@ class CacheLayout:
     pools: dict[str, PoolLayout]
     max_positions: int
     sliding_window: int
+    #: The pools' constants as columns (derived from ``pools`` once, with the layout).
+    columns: PoolColumns = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "columns", PoolColumns.of(self.pools[n] for n in POOL_NAMES))
 
     @classmethod
     def from_config(cls, config: LayoutSource) -> CacheLayout:
