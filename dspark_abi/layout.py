@@ -123,6 +123,12 @@ class PoolColumns:
     ring: np.ndarray
     ring_width: np.ndarray
     modulus: np.ndarray
+    #: [7, 1] bool: the pool's reach is the sliding window's (ori)
+    windowed: np.ndarray
+    #: log2 of ``page_size`` and of ``divisor`` ([7, 1]), or None unless every one is a power of two (the ABI's
+    #: are): a shift by a column is one fast vector pass, an integer division by a column is not.
+    page_shift: np.ndarray | None
+    divisor_shift: np.ndarray | None
 
     @classmethod
     def of(cls, pools: Iterator[PoolLayout]) -> PoolColumns:
@@ -133,14 +139,32 @@ class PoolColumns:
             a.flags.writeable = False
             return a
 
-        return cls(page_size=col([pl.page_size for pl in rows]), divisor=col([pl.ratio or 1 for pl in rows]),
+        def shifts(values: list[int]) -> np.ndarray | None:
+            exact = all(v > 0 and v & (v - 1) == 0 for v in values)
+            return col([v.bit_length() - 1 for v in values]) if exact else None
+
+        sizes, divisors = [pl.page_size for pl in rows], [pl.ratio or 1 for pl in rows]
+        return cls(page_size=col(sizes), divisor=col(divisors),
                    reach=col([pl.reach if pl.is_ring else 0 for pl in rows]),
                    ring=col([pl.is_ring for pl in rows], bool), ring_width=col([pl.ring_width for pl in rows]),
-                   modulus=col([pl.ring_width if pl.is_ring else 2**62 for pl in rows]))
+                   modulus=col([pl.ring_width if pl.is_ring else 2**62 for pl in rows]),
+                   windowed=col([pl.is_ring and not pl.is_state for pl in rows], bool),
+                   page_shift=shifts(sizes), divisor_shift=shifts(divisors))
 
-    def live_ranges(self, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """([7, R], [7, R]) int64 :func:`live_range` of every pool (the pools' own reach: ``W - 1`` for ori)."""
-        lo = np.maximum(start - self.reach, 0)
+    def page_of(self, logical: np.ndarray) -> np.ndarray:
+        """``logical // page_size`` of a [7, n] array (floor: -1 stays negative)."""
+        return logical >> self.page_shift if self.page_shift is not None else logical // self.page_size
+
+    def written(self, positions: np.ndarray) -> np.ndarray:
+        """[7, T] int64 :func:`written_logical` of every pool."""
+        return written_entries(positions, self.divisor, self.divisor_shift)
+
+    def live_ranges(self, start: np.ndarray, end: np.ndarray, window: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """([7, R], [7, R]) int64 :func:`live_range` of every pool (the pools' own reach, ``W - 1`` for ori, or
+        ``window - 1`` for it when given)."""
+        reach = self.reach if window is None else np.where(self.windowed, window - 1, self.reach)
+        lo = np.maximum(start - reach, 0)
         lo *= self.ring                                  # the compressed pools read their whole history
         return lo, end // self.divisor
 
@@ -298,8 +322,17 @@ def written_logical(pl: PoolLayout, positions: np.ndarray) -> np.ndarray:
     p = np.asarray(positions, dtype=np.int64)
     if not pl.ratio:
         return p
-    entries = (p + 1) // pl.ratio
-    return np.where(entries * pl.ratio == p + 1, entries - 1, -1)
+    return written_entries(p, pl.ratio)
+
+
+def written_entries(positions: np.ndarray, ratio: np.ndarray | int, shift: np.ndarray | None = None) -> np.ndarray:
+    """:func:`written_logical`'s formula: entry ``(p + 1) // ratio - 1`` where ``(p + 1) % ratio == 0``, else -1;
+    ``ratio`` 1 gives the position itself. A [7, 1] ``ratio`` column (``PoolColumns.divisor``) gives every pool's
+    logical index at once, [7, T]; ``shift`` (``log2(ratio)``, when a power of two) spells the division as a shift."""
+    after = positions + 1
+    entries = after // ratio if shift is None else after >> shift
+    back = entries * ratio if shift is None else entries << shift
+    return np.where(back == after, entries - 1, -1)
 
 
 def visible_entries(positions: np.ndarray, ratio: int) -> np.ndarray:

@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from dspark_abi._base import expand_ranges
-from dspark_abi.batch import PackedBatch, SlotMappings, _afield, _PerPool
+from dspark_abi.batch import PackedBatch, SlotMappings, _afield, _PerPool, freeze
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
 from dspark_abi.fields import (
@@ -46,7 +46,6 @@ from dspark_abi.layout import (
     POOL_NAMES,
     CacheLayout,
     PoolName,
-    live_pages,
     live_range,
     page_span,
     table_column,
@@ -86,9 +85,14 @@ def step_widths(layout: CacheLayout, window: int, starts: np.ndarray, ends: np.n
     """pool -> columns of the step's (full-form) table: the most pages a non-empty request's live range spans (at
     least 1); for ring pools ``ring_width`` with ``fixed_ring``, or at least ``ring_floor`` (a verify step's
     headroom, :func:`~dspark_abi.layout.verify_headroom`)."""
+    cols = layout.columns                   # the seven pools at once: [7, R] (live_pages's formula)
+    first, stop = page_span(*cols.live_ranges(starts, ends, window), cols.page_size)
+    stop -= first * cols.ring
+    stop *= ends > starts
+    most = stop.max(axis=1, initial=0).tolist()
     out: dict[PoolName, int] = {}
-    for pl in layout:
-        width = max(1, int(live_pages(pl, starts, ends, window).max(initial=0)))
+    for i, pl in enumerate(layout):
+        width = max(1, int(most[i]))
         if fixed_ring and pl.is_ring:
             width = pl.ring_width
         elif ring_floor and pl.is_ring:
@@ -387,8 +391,15 @@ class DeltaCells(_PerPool):
 
     @classmethod
     def from_cells(cls, cells: Mapping[PoolName, Cells]) -> DeltaCells:
-        return cls(**{p: np.stack([c.astype(np.int32) for c in cells[p]], axis=1).reshape(-1, 3)
-                      for p in POOL_NAMES})
+        """From pool -> (slots, pages, blocks): the seven pools written into one int32 array, frozen once; each
+        pool's field is its (immutable, C-contiguous) slice, so freezing the fields copies nothing more."""
+        sizes = [cells[p][0].size for p in POOL_NAMES]
+        joined = np.empty((sum(sizes), 3), np.int32)
+        for k in range(3):
+            np.concatenate([cells[p][k] for p in POOL_NAMES], out=joined[:, k], casting="unsafe")
+        frozen = freeze(joined)
+        bounds = np.cumsum([0, *sizes]).tolist()
+        return cls(**{p: frozen[bounds[i]:bounds[i + 1]] for i, p in enumerate(POOL_NAMES)})
 
     def cells(self, pool: str) -> Cells:
         """(slots, pages, blocks) int64 of ``pool``."""
@@ -581,7 +592,8 @@ def _current(step: PersistentStep, tables: PersistentTables) -> ValidationReport
     """``tables.slot`` / ``tables.stale_slot``: the step's slots exist, are distinct, carry the slots' current
     generations and are free or held by the same request (O(R); the id lookup only for slots claimed now)."""
     issues: list[Issue] = []
-    if step.config != tables.config or step.pool_blocks != tables.pool_blocks:
+    if (step.config is not tables.config and step.config != tables.config) or \
+            (step.pool_blocks is not tables.pool_blocks and step.pool_blocks != tables.pool_blocks):
         return ValidationReport((Issue("config.mismatch", "tables", "the persistent tables were built for another "
                                        "config or other pools", expected=step.config.name,
                                        actual=tables.config.name),))
@@ -827,22 +839,27 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
     row_slot = slots[req]
     request = np.arange(slots.size)
     nonempty = ok_req & (end > start)
+    cols = layout.columns                   # the seven pools' pages at once, [7, R]
+    lo_all, hi_all = page_span(*cols.live_ranges(start, end, window), cols.page_size)
+    need_all = np.where(nonempty, hi_all - lo_all * cols.ring, 0)
+    too_narrow = need_all > step.table_widths.astype(np.int64).reshape(7, 1)
+    first_all = np.stack([runs[p][0] for p in POOL_NAMES])
+    end_all = np.stack([runs[p][1] for p in POOL_NAMES])
+    uncovered_all = nonempty & ((lo_all < first_all) | (hi_all > end_all))
+    narrow_any, uncovered_any = too_narrow.any(axis=1).tolist(), uncovered_all.any(axis=1).tolist()
     derived_slots: dict[PoolName, np.ndarray] | None = None
-    for p in POOL_NAMES:
+    for i, p in enumerate(POOL_NAMES):
         pl = layout.pools[p]
-        lo, hi = page_span(*live_range(pl, start, end, window), pl.page_size)
-        need = np.where(nonempty, hi - lo if pl.is_ring else hi, 0)
-        if (need > widths[p]).any():        # the full form's tables.width (a ring must not wrap onto itself)
-            _flag(issues, "tables.width", TABLE_FIELDS[p], need > widths[p], f"table_widths gives {widths[p]} "
+        lo, hi = lo_all[i], hi_all[i]
+        if narrow_any[i]:                   # the full form's tables.width (a ring must not wrap onto itself)
+            _flag(issues, "tables.width", TABLE_FIELDS[p], too_narrow[i], f"table_widths gives {widths[p]} "
                   "columns, fewer than the pages the request's live range needs", request_of=request,
-                  expected=need, actual=widths[p])
+                  expected=need_all[i], actual=widths[p])
             continue
-        new_first, new_end = runs[p]
-        uncovered = nonempty & ((lo < new_first) | (hi > new_end))
-        if uncovered.any():
-            _flag(issues, "coverage.unmapped", TABLE_FIELDS[p], uncovered, "a page the request reads or writes in "
-                  "this call is not held by its slot", request_of=request, expected=np.stack([lo, hi], 1),
-                  actual=np.stack([new_first, new_end], 1))
+        if uncovered_any[i]:
+            _flag(issues, "coverage.unmapped", TABLE_FIELDS[p], uncovered_all[i], "a page the request reads or writes "
+                  "in this call is not held by its slot", request_of=request, expected=np.stack([lo, hi], 1),
+                  actual=np.stack([first_all[i], end_all[i]], 1))
         if derived:
             continue
         if derived_slots is None:
