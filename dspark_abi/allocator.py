@@ -99,7 +99,11 @@ class BlockAllocator:
         self._persistent = PersistentTables(config, self.pool_blocks, capacity)
         self._alias_persistent()
         self._row_of: dict[int, int] = {}
-        self._cached: dict[int, int] = {}
+        #: [S] int64 tokens cached by the request holding each row (an array: a step writes R of them at once)
+        self._cached_rows = np.zeros(capacity, np.int64)
+        #: (holders ascending, their rows) of the in-use rows and the generation it was sorted at (see _rows_of)
+        self._index: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._index_generation = -1
         self._spare_rows: list[int] = list(range(capacity - 1, -1, -1))
         self._lock = threading.RLock()
         self._generation = 0          # advanced by every commit and release; plans record it
@@ -109,6 +113,11 @@ class BlockAllocator:
         """The allocator writes the persistent tables' own dictionaries (one home for tables and runs)."""
         self._tables = self._persistent._tables
         self._first, self._end = self._persistent._first, self._persistent._end
+
+    @property
+    def _cached(self) -> dict[int, int]:
+        """Request id -> tokens cached (a snapshot, for inspection; the state is the per-row array)."""
+        return {r: int(self._cached_rows[row]) for r, row in self._row_of.items()}
 
     @property
     def persistent(self) -> PersistentTables:
@@ -128,7 +137,7 @@ class BlockAllocator:
         plans made on the original are stale for the copy and vice versa."""
         with self._lock:
             clone = copy.copy(self)
-            for name in ("_free", "_top", "_persistent", "_row_of", "_cached", "_spare_rows"):
+            for name in ("_free", "_top", "_persistent", "_row_of", "_cached_rows", "_index", "_spare_rows"):
                 setattr(clone, name, copy.deepcopy(getattr(self, name), memo))
             clone._alias_persistent()
         clone._lock = threading.RLock()
@@ -162,15 +171,30 @@ class BlockAllocator:
     def cached_tokens_of(self, request_ids: Sequence[int]) -> np.ndarray:
         """[R] int64 cached tokens of each request, -1 for one this allocator does not know (one lock, no raise)."""
         with self._lock:
-            get = self._cached.get
-            return np.array([get(r, -1) for r in request_ids], dtype=np.int64)
+            rows = self._rows_of(np.asarray(request_ids, np.int64).reshape(-1))
+            return np.where(rows >= 0, self._cached_rows[rows], -1)
+
+    def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """[R] int64 row of each request id, -1 for one this allocator does not know: one search among the holders
+        of the rows (sorted once per generation: every commit and release advances it), no Python per request."""
+        if self._index_generation != self._generation:
+            held = np.flatnonzero(self._persistent._in_use)
+            holders = self._persistent._holders[held]
+            order = np.argsort(holders, kind="stable")
+            self._index = (holders[order], held[order])
+            self._index_generation = self._generation
+        keys, rows = self._index
+        if keys.size == 0 or ids.size == 0:
+            return np.full(ids.size, -1, np.int64)
+        at = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+        return np.where(keys[at] == ids, rows[at], -1)
 
     def cached_tokens(self, request_id: int) -> int:
         """Tokens of ``request_id`` whose caches earlier steps wrote (its next start position)."""
         with self._lock:
-            if request_id not in self._cached:
+            if request_id not in self._row_of:
                 raise ABIError([_unknown(request_id)])
-            return self._cached[request_id]
+            return int(self._cached_rows[self._row_of[request_id]])
 
     def table_rows(self, request_ids: Sequence[int], plan: StepPlan | None = None) -> dict[PoolName, np.ndarray]:
         """pool -> [R, width] int32 copy of the block tables of ``request_ids`` (in that order): the allocator's
@@ -233,16 +257,15 @@ class BlockAllocator:
         """The seven pools planned together: every per-request formula on [7, R] arrays with the pools' constants
         as columns (:class:`~dspark_abi.layout.PoolColumns`), cells pool-major in flat arrays; only the table
         reads and the free stacks go pool by pool (each pool has its own). Cost O(R + cells), no history."""
-        row_of = self._row_of
-        new_ids = tuple(r for r in request_ids if r not in row_of)
+        rows = self._rows_of(np.asarray(request_ids, np.int64).reshape(-1))
+        fresh = rows < 0                                        # requests new in this step
+        new_ids = tuple(np.asarray(request_ids, np.int64)[fresh].tolist()) if fresh.any() else ()
         if len(new_ids) > len(self._spare_rows):
-            self._grow(len(row_of) + len(new_ids))
-        spare = iter(reversed(self._spare_rows))
-        provisional = {r: next(spare) for r in new_ids}
-        rows = np.array([row_of[r] if r in row_of else provisional[r] for r in request_ids], dtype=np.int64)
+            self._grow(len(self._row_of) + len(new_ids))
+        if new_ids:         # provisional rows: the ones the commit pops from the spare stack, in that order
+            rows[fresh] = self._spare_rows[::-1][:len(new_ids)]
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         n_req = rows.size
-        fresh = np.isin(rows, list(provisional.values())) if new_ids else np.zeros(n_req, dtype=bool)
         cols = self.layout.columns
         held_first = np.stack([self._first[p][rows] for p in POOL_NAMES])        # [7, R] the runs held now
         held_end = np.stack([self._end[p][rows] for p in POOL_NAMES])
@@ -355,8 +378,7 @@ class BlockAllocator:
             self._top[p] = top + r_blocks.size - m_blocks.size
             self._tables[p][m_rows, table_column(pl, m_pages, width)] = m_blocks
             self._first[p][plan.rows], self._end[p][plan.rows] = plan.mapped[p]
-        for r, end in zip(plan.request_ids, plan.ends.tolist(), strict=True):
-            self._cached[r] = int(end)
+        self._cached_rows[plan.rows] = plan.ends
         self._persistent._record(plan.rows, np.array(plan.request_ids, np.int64), plan.map_cells,
                                  plan.release_cells)
 
@@ -370,7 +392,7 @@ class BlockAllocator:
 
     def _release(self, request_id: int) -> None:
         row = self._row_of.pop(request_id)
-        self._cached.pop(request_id, None)
+        self._cached_rows[row] = 0
         for p in POOL_NAMES:
             table_row = self._tables[p][row]
             held = table_row[table_row >= 0]
@@ -384,6 +406,7 @@ class BlockAllocator:
         old = self._persistent.slots
         new = max(needed, 2 * old)
         self._persistent.grow(new)
+        self._cached_rows = np.concatenate([self._cached_rows, np.zeros(new - old, np.int64)])
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
 
 
