@@ -388,6 +388,8 @@ class DeltaCells(_PerPool):
     csa_state: np.ndarray = _afield("csa_state")
     csa_inner_state: np.ndarray = _afield("csa_inner_state")
     hca_state: np.ndarray = _afield("hca_state")
+    # (cells per pool, the [M, 3] array whose consecutive slices the fields are) when made by from_cells
+    _joined: tuple[list[int], np.ndarray] | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @classmethod
     def from_cells(cls, cells: Mapping[PoolName, Cells]) -> DeltaCells:
@@ -399,7 +401,21 @@ class DeltaCells(_PerPool):
             np.concatenate([cells[p][k] for p in POOL_NAMES], out=joined[:, k], casting="unsafe")
         frozen = freeze(joined)
         bounds = np.cumsum([0, *sizes]).tolist()
-        return cls(**{p: frozen[bounds[i]:bounds[i + 1]] for i, p in enumerate(POOL_NAMES)})
+        out = cls(**{p: frozen[bounds[i]:bounds[i + 1]] for i, p in enumerate(POOL_NAMES)})
+        object.__setattr__(out, "_joined", (sizes, frozen))      # the fields are its slices: nothing to join again
+        return out
+
+    def pooled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(pool index, slot, page, block) int64 of the seven pools' cells, pools in ABI order (one array with a
+        pool column, the form the checks read)."""
+        if self._joined is not None:
+            sizes, joined = self._joined
+        else:
+            arrays = [self[p] for p in POOL_NAMES]
+            sizes = [a.shape[0] for a in arrays]
+            joined = np.concatenate(arrays) if sum(sizes) else np.zeros((0, 3), np.int32)
+        wide = joined.astype(np.int64)
+        return np.repeat(np.arange(7, dtype=np.int64), sizes), wide[:, 0], wide[:, 1], wide[:, 2]
 
     def cells(self, pool: str) -> Cells:
         """(slots, pages, blocks) int64 of ``pool``."""
@@ -645,7 +661,7 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     ring = np.array([layout.pools[p].is_ring for p in POOL_NAMES])
     n_blocks = np.array([tables.pool_blocks[p] for p in POOL_NAMES], np.int64)
 
-    r_pool, r_slot, r_page, r_block = _pooled(step.released)
+    r_pool, r_slot, r_page, r_block = step.released.pooled()
     r_req, r_in = _in_step(index, r_slot)
     r_run = r_pool * n_req + r_req                                     # index into the [7 * R] runs
     held = r_in & (r_page >= first[r_run]) & (r_page < end[r_run])
@@ -666,7 +682,7 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     after_first = first + k
     freed = _ordered(r_pool[held] * _KEY + r_block[held])[0]          # (pool, block) a held release frees
 
-    m_pool, m_slot, m_page, m_block = _pooled(step.mapped)
+    m_pool, m_slot, m_page, m_block = step.mapped.pooled()
     m_req, m_in = _in_step(index, m_slot)
     m_run = m_pool * n_req + m_req
     inside = m_in & (m_page >= after_first[m_run]) & (m_page < end[m_run])
@@ -704,14 +720,6 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     run_first = np.where(grew, new_first, after_first).reshape(7, n_req)
     run_end = np.where(grew, new_end, end).reshape(7, n_req)
     return issues, {p: (run_first[i], run_end[i]) for i, p in enumerate(POOL_NAMES)}
-
-
-def _pooled(cells: DeltaCells) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(pool index, slot, page, block) int64 of the seven pools' cells, pools in ABI order."""
-    arrays = [cells[p] for p in POOL_NAMES]
-    sizes = [a.shape[0] for a in arrays]
-    joined = np.concatenate(arrays).astype(np.int64) if sum(sizes) else np.zeros((0, 3), np.int64)
-    return np.repeat(np.arange(7, dtype=np.int64), sizes), joined[:, 0], joined[:, 1], joined[:, 2]
 
 
 def _segments(pool: np.ndarray, mask: np.ndarray) -> list[tuple[PoolName, np.ndarray]]:
@@ -774,7 +782,9 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
     ``tables``, -1 where it writes nothing or its page is unmapped. The one home of a persistent step's slots
     (``build_step`` derives them, ``check_step`` re-derives them). A page the slot holds is read from the table (and
     looked up among the released cells), any other among the mapped cells; a pool without such cells skips the
-    search (measured: one search over all pools with a pool key is slower, it searches rows no pool needs).
+    search, and only rows at or below a pool's highest released page look among its released cells (measured:
+    one pass over all pools, [7, N] arrays with a pool key, is slower: at N in the thousands the elements, not
+    the calls, cost, and the per-pool pass skips what a pool does not need).
     O(N log(cells changed)), no table copied."""
     out = {}
     for p in POOL_NAMES:
@@ -787,6 +797,8 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
         flat = row_slot * width + table_column(pl, np.where(held, page, 0), width)     # one gather, flattened
         block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
         for (c_slot, c_page, c_block), rows, is_map in ((released[p], held, False), (mapped[p], ~held, True)):
+            if c_slot.size and not is_map:  # released pages lie at the front of runs: rows above them skip the search
+                rows = rows & writes & (page <= c_page.max())
             if c_slot.size and rows.any():
                 at = np.flatnonzero(rows)
                 ordered, order = _ordered(c_slot * _KEY + c_page)
