@@ -782,11 +782,12 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
     ``tables``, -1 where it writes nothing or its page is unmapped. The one home of a persistent step's slots
     (``build_step`` derives them, ``check_step`` re-derives them). A page the slot holds is read from the table (and
     looked up among the released cells), any other among the mapped cells; a pool without such cells skips the
-    search, and only rows at or below a pool's highest released page look among its released cells (measured:
+    search, and only rows at or below their slot's highest released page look among its released cells (measured:
     one pass over all pools, [7, N] arrays with a pool key, is slower: at N in the thousands the elements, not
     the calls, cost, and the per-pool pass skips what a pool does not need).
-    O(N log(cells changed)), no table copied."""
+    O(N log(cells changed) + S), no table copied."""
     out = {}
+    slots = tables.slots
     for p in POOL_NAMES:
         pl, table = layout.pools[p], tables._tables[p]
         width = table.shape[1]
@@ -797,8 +798,10 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
         flat = row_slot * width + table_column(pl, np.where(held, page, 0), width)     # one gather, flattened
         block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
         for (c_slot, c_page, c_block), rows, is_map in ((released[p], held, False), (mapped[p], ~held, True)):
-            if c_slot.size and not is_map:  # released pages lie at the front of runs: rows above them skip the search
-                rows = rows & writes & (page <= c_page.max())
+            if c_slot.size and not is_map and c_slot.min() >= 0 and c_slot.max() < slots:
+                top = np.full(slots, -1, np.int64)          # each slot's highest released page: the rows above
+                np.maximum.at(top, c_slot, c_page)          # it (all of them in a valid step) skip the search
+                rows = rows & writes & (page <= top[row_slot])
             if c_slot.size and rows.any():
                 at = np.flatnonzero(rows)
                 ordered, order = _ordered(c_slot * _KEY + c_page)
