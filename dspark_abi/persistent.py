@@ -652,8 +652,8 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     issues: list[Issue] = []
     slots = step.table_slots.astype(np.int64)
     n_req = slots.size
-    order = np.argsort(slots, kind="stable")
-    index = (slots, order, slots[order])
+    index = np.full(tables.slots, -1, np.int64)      # slot -> its request in the step (slots known in range, distinct)
+    index[slots] = np.arange(n_req)
     layout = tables.layout
     first = np.stack([tables._first[p][slots] for p in POOL_NAMES]).reshape(-1)     # [7 * R], pool-major
     end = np.stack([tables._end[p][slots] for p in POOL_NAMES]).reshape(-1)
@@ -672,8 +672,10 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     _flag_pools(issues, "delta.released", RELEASED_SPECS, r_pool, ~held | (cell != r_block), "a released cell must "
                 "be a page of the step's slot's run holding the block it names", expected=cell, actual=r_block)
     r_keys = _ordered(r_run * _KEY + r_page)[0]
-    _flag_pools(issues, "delta.released", RELEASED_SPECS, r_keys[1:] // _KEY // n_req, r_keys[1:] == r_keys[:-1],
-                "a cell is released twice", expected="distinct cells", actual=r_keys[1:] % _KEY)
+    twice = r_keys[1:] == r_keys[:-1]
+    if twice.any():
+        _flag_pools(issues, "delta.released", RELEASED_SPECS, r_keys[1:] // _KEY // n_req, twice,
+                    "a cell is released twice", expected="distinct cells", actual=r_keys[1:] % _KEY)
     k = np.bincount(r_run[held], minlength=7 * n_req)
     top = _page_bounds(r_run[held], r_page[held], 7 * n_req)[1] - 1
     runs_of = np.repeat(np.arange(7), n_req)
@@ -702,9 +704,11 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
                 "pool and free (or released by this delta)", expected="a free block", actual=m_block)
     for what, keys in (("cell", m_run * _KEY + m_page), ("block", m_pool * _KEY + m_block)):
         ordered = _ordered(keys)[0]
-        pool_of = ordered[1:] // _KEY // (n_req if what == "cell" else 1)
-        _flag_pools(issues, "delta.mapped", MAPPED_SPECS, pool_of, ordered[1:] == ordered[:-1],
-                    f"a {what} is mapped twice", expected=f"distinct {what}s", actual=ordered[1:] % _KEY)
+        twice = ordered[1:] == ordered[:-1]
+        if twice.any():         # the offenders' pools and values are worked out only when there are any
+            pool_of = ordered[1:] // _KEY // (n_req if what == "cell" else 1)
+            _flag_pools(issues, "delta.mapped", MAPPED_SPECS, pool_of, twice, f"a {what} is mapped twice",
+                        expected=f"distinct {what}s", actual=ordered[1:] % _KEY)
     ok = ~bad
     count = np.bincount(m_run[ok], minlength=7 * n_req)
     lo, hi = _page_bounds(m_run[ok], m_page[ok], 7 * n_req)
@@ -748,13 +752,12 @@ def _flag_pools(issues: list[Issue], code: str, specs: Mapping[PoolName, FieldSp
               request_of=index if per_request is not None else None, expected=expected, actual=actual)
 
 
-def _in_step(index: tuple[np.ndarray, np.ndarray, np.ndarray], wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([M] batch index of each ``wanted`` slot (0 where absent), [M] mask of the slots of the step)."""
-    slots, order, ordered = index
-    if wanted.size == 0 or slots.size == 0:
-        return np.zeros(wanted.size, np.int64), np.zeros(wanted.size, dtype=bool)
-    at = order[np.minimum(np.searchsorted(ordered, wanted), slots.size - 1)]
-    found = slots[at] == wanted
+def _in_step(index: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([M] batch index of each ``wanted`` slot (0 where absent), [M] mask of the slots of the step); ``index``:
+    [S] the request of each slot in the step, -1 for the others (a gather, no search)."""
+    inside = (wanted >= 0) & (wanted < index.size)
+    at = index[np.where(inside, wanted, 0)] if index.size else np.zeros(wanted.size, np.int64)
+    found = inside & (at >= 0)
     return np.where(found, at, 0), found
 
 
