@@ -788,30 +788,53 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
     search, and only rows at or below their slot's highest released page look among its released cells (measured:
     one pass over all pools, [7, N] arrays with a pool key, is slower: at N in the thousands the elements, not
     the calls, cost, and the per-pool pass skips what a pool does not need).
-    O(N log(cells changed) + S), no table copied."""
+    O(N + E log(cells changed) + S) for E distinct (slot, page) runs of rows, no table copied.
+
+    Rows are looked up per run of consecutive rows writing one page of one slot (a request's rows are consecutive:
+    a page of 32 rows is one lookup, not 32), then each row takes its run's block."""
     out = {}
     slots = tables.slots
+    n = row_slot.size
     for p in POOL_NAMES:
         pl, table = layout.pools[p], tables._tables[p]
         width = table.shape[1]
         logical = written_logical(pl, pos)
         writes = logical >= 0
-        page = np.where(writes, logical // pl.page_size, 0)
-        held = (page >= tables._first[p][row_slot]) & (page < tables._end[p][row_slot])
-        flat = row_slot * width + table_column(pl, np.where(held, page, 0), width)     # one gather, flattened
-        block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
-        for (c_slot, c_page, c_block), rows, is_map in ((released[p], held, False), (mapped[p], ~held, True)):
-            if c_slot.size and not is_map and c_slot.min() >= 0 and c_slot.max() < slots:
-                top = np.full(slots, -1, np.int64)          # each slot's highest released page: the rows above
-                np.maximum.at(top, c_slot, c_page)          # it (all of them in a valid step) skip the search
-                rows = rows & writes & (page <= top[row_slot])
-            if c_slot.size and rows.any():
-                at = np.flatnonzero(rows)
-                ordered, order = _ordered(c_slot * _KEY + c_page)
-                found, hit = _find(ordered, row_slot[at] * _KEY + page[at])
-                cell = found[hit] if order is None else order[found[hit]]
-                block[at[hit]] = c_block[cell] if is_map else -1
-        out[p] = np.where(writes & (block >= 0), block * pl.page_size + (logical - page * pl.page_size), -1)
+        every = bool(writes.all())          # the per-token pools: every row writes
+        at_w = None if every else np.flatnonzero(writes)
+        lg, sl = (logical, row_slot) if at_w is None else (logical[at_w], row_slot[at_w])
+        page = lg // pl.page_size
+        result = np.full(n, -1, np.int64)
+        if page.size:
+            change = np.empty(page.size, dtype=bool)          # a new run: another page or another slot
+            change[0] = True
+            np.not_equal(page[1:], page[:-1], out=change[1:])
+            change[1:] |= sl[1:] != sl[:-1]
+            head = np.flatnonzero(change)
+            run = np.cumsum(change)
+            run -= 1
+            e_slot, e_page = sl[head], page[head]
+            held = (e_page >= tables._first[p][e_slot]) & (e_page < tables._end[p][e_slot])
+            flat = e_slot * width + table_column(pl, np.where(held, e_page, 0), width)    # one gather, flattened
+            block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
+            for (c_slot, c_page, c_block), rows, is_map in ((released[p], held, False), (mapped[p], ~held, True)):
+                if c_slot.size and not is_map and c_slot.min() >= 0 and c_slot.max() < slots:
+                    top = np.full(slots, -1, np.int64)          # each slot's highest released page: the runs above
+                    np.maximum.at(top, c_slot, c_page)          # it (all of them in a valid step) skip the search
+                    rows = rows & (e_page <= top[e_slot])
+                if c_slot.size and rows.any():
+                    at = np.flatnonzero(rows)
+                    ordered, order = _ordered(c_slot * _KEY + c_page)
+                    found, hit = _find(ordered, e_slot[at] * _KEY + e_page[at])
+                    cell = found[hit] if order is None else order[found[hit]]
+                    block[at[hit]] = c_block[cell] if is_map else -1
+            row_block = block[run]
+            slot = np.where(row_block >= 0, row_block * pl.page_size + (lg - page * pl.page_size), -1)
+            if at_w is None:
+                result = slot
+            else:
+                result[at_w] = slot
+        out[p] = result
     return out
 
 
