@@ -108,6 +108,8 @@ class BlockAllocator:
         self._lock = threading.RLock()
         self._generation = 0          # advanced by every commit and release; plans record it
         self._token = object()        # identifies this allocator's plans
+        narrow = any(pl.ring_width < pl.table_width for pl in self.layout if pl.is_ring)
+        self._max_chunk_tokens = MAX_CHUNK_TOKENS if narrow else config.max_position_embeddings
 
     def _alias_persistent(self) -> None:
         """The allocator writes the persistent tables' own dictionaries (one home for tables and runs)."""
@@ -149,8 +151,7 @@ class BlockAllocator:
     def max_chunk_tokens(self) -> int:
         """Most new tokens one request may add in one step: a longer chunk would wrap a ring table onto itself
         (unlimited, i.e. ``max_position_embeddings``, when every ring table is as wide as the context)."""
-        narrow = any(pl.ring_width < pl.table_width for pl in self.layout if pl.is_ring)
-        return MAX_CHUNK_TOKENS if narrow else self.config.max_position_embeddings
+        return self._max_chunk_tokens
 
     def held_blocks(self, request_id: int) -> dict[PoolName, int]:
         """Pool -> blocks ``request_id`` holds now (bounded by ``ring_width`` in the ring pools)."""
@@ -168,7 +169,7 @@ class BlockAllocator:
         with self._lock:
             return request_id in self._row_of
 
-    def cached_tokens_of(self, request_ids: Sequence[int]) -> np.ndarray:
+    def cached_tokens_of(self, request_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """[R] int64 cached tokens of each request, -1 for one this allocator does not know (one lock, no raise)."""
         with self._lock:
             rows = self._rows_of(np.asarray(request_ids, np.int64).reshape(-1))
@@ -292,9 +293,9 @@ class BlockAllocator:
         r_pool, r_rows, r_page, r_block = r_pool[kept], rows[r_req[kept]], r_page[kept], r_block[kept]
 
         # map: the live pages outside the held run (only those are enumerated, never the whole history)
-        below = np.clip(np.minimum(b, first) - a, 0, None)                       # [a, min(b, first)): before the run
+        below = np.maximum(np.minimum(b, first) - a, 0)                       # [a, min(b, first)): before the run
         start_above = np.maximum(a, end)
-        above = np.clip(b - start_above, 0, None)                                # [max(a, end), b): past the run
+        above = np.maximum(b - start_above, 0)                                # [max(a, end), b): past the run
         m_owner, m_page = expand_ranges(start_above.reshape(-1), above.reshape(-1))
         if below.any():                          # rare: pages before the run; request-major, pages ascending
             owner_lo, page_lo = expand_ranges(a.reshape(-1), below.reshape(-1))

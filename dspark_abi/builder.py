@@ -563,7 +563,7 @@ class BatchBuilder:
             each(exact & ~verify & (new == 0), "num_new", lambda i: "zero-length request not allowed by policy",
                  lambda i: "> 0", lambda i: 0, lambda i: "drop the request from this step or set "
                                         "PaddingPolicy(allow_empty_requests=True)")
-        have = self.allocator.cached_tokens_of(ids.tolist())      # -1 for a request the allocator does not know
+        have = self.allocator.cached_tokens_of(ids)      # -1 for a request the allocator does not know
         each(exact & (have >= 0) & (cached != have), "num_cached",
              lambda i: f"request {ids[i]} continues after {have[i]} cached tokens, got num_cached={cached[i]}",
              lambda i: int(have[i]), lambda i: int(cached[i]),

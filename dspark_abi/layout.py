@@ -108,13 +108,12 @@ class LayoutSource(Protocol):
 @attrs.frozen(eq=False)
 class PoolColumns:
     """The seven pools' constants as [7, 1] int64 columns (pools in ABI order), so that one numpy call computes a
-    formula for all pools of a step at once ([7, R] or [7, N] results, pool-major): at decode rate numpy's
-    per-call overhead, not the element count, is the cost, and a loop over the pools multiplies it by seven.
+    formula for all pools of a step at once ([7, R] results, pool-major): over a step's R requests numpy's per-call
+    overhead, not the element count, is the cost, and a loop over the pools multiplies it by seven.
 
     Attributes (each [7, 1]): page_size; divisor (the ratio, 1 for the per-token pools, so ``logical // divisor``
     is a compressed entry count or the position itself); reach (0 for the compressed pools); ring (bool);
-    ring_width; modulus (``ring_width`` for the ring pools, 2**62 for the compressed ones, so that
-    ``page - (page // modulus) * modulus`` is :func:`table_column`'s column for every pool).
+    ring_width.
     """
 
     page_size: np.ndarray
@@ -122,57 +121,32 @@ class PoolColumns:
     reach: np.ndarray
     ring: np.ndarray
     ring_width: np.ndarray
-    modulus: np.ndarray
     #: [7, 1] bool: the pool's reach is the sliding window's (ori)
     windowed: np.ndarray
-    #: log2 of ``page_size`` and of ``divisor`` ([7, 1]), or None unless every one is a power of two (the ABI's
-    #: are): a shift by a column is one fast vector pass, an integer division by a column is not.
-    page_shift: np.ndarray | None
-    divisor_shift: np.ndarray | None
 
     @classmethod
     def of(cls, pools: Iterator[PoolLayout]) -> PoolColumns:
         rows = list(pools)
 
         def col(values: list[int] | list[bool], dtype: type = np.int64) -> np.ndarray:
-            a = np.array(values, dtype=dtype).reshape(-1, 1)
+            a: np.ndarray = np.array(values, dtype=dtype).reshape(-1, 1)
             a.flags.writeable = False
             return a
 
-        def shifts(values: list[int]) -> np.ndarray | None:
-            exact = all(v > 0 and v & (v - 1) == 0 for v in values)
-            return col([v.bit_length() - 1 for v in values]) if exact else None
-
-        sizes, divisors = [pl.page_size for pl in rows], [pl.ratio or 1 for pl in rows]
-        return cls(page_size=col(sizes), divisor=col(divisors),
+        return cls(page_size=col([pl.page_size for pl in rows]), divisor=col([pl.ratio or 1 for pl in rows]),
                    reach=col([pl.reach if pl.is_ring else 0 for pl in rows]),
                    ring=col([pl.is_ring for pl in rows], bool), ring_width=col([pl.ring_width for pl in rows]),
-                   modulus=col([pl.ring_width if pl.is_ring else 2**62 for pl in rows]),
-                   windowed=col([pl.is_ring and not pl.is_state for pl in rows], bool),
-                   page_shift=shifts(sizes), divisor_shift=shifts(divisors))
-
-    def page_of(self, logical: np.ndarray) -> np.ndarray:
-        """``logical // page_size`` of a [7, n] array (floor: -1 stays negative)."""
-        return logical >> self.page_shift if self.page_shift is not None else logical // self.page_size
-
-    def written(self, positions: np.ndarray) -> np.ndarray:
-        """[7, T] int64 :func:`written_logical` of every pool."""
-        return written_entries(positions, self.divisor, self.divisor_shift)
+                   windowed=col([pl.is_ring and not pl.is_state for pl in rows], bool))
 
     def live_ranges(self, start: np.ndarray, end: np.ndarray, window: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
-        """([7, R], [7, R]) int64 :func:`live_range` of every pool (the pools' own reach, ``W - 1`` for ori, or
-        ``window - 1`` for it when given)."""
+        """([7, R], [7, R]) int64 :func:`live_range` of every pool, its formula spelled with the columns (the pools'
+        own reach, ``W - 1`` for ori, or ``window - 1`` for it when given; tests/abi/test_pool_columns.py checks the
+        two agree)."""
         reach = self.reach if window is None else np.where(self.windowed, window - 1, self.reach)
         lo = np.maximum(start - reach, 0)
         lo *= self.ring                                  # the compressed pools read their whole history
         return lo, end // self.divisor
-
-    def column(self, page: np.ndarray, pool: np.ndarray | None = None) -> np.ndarray:
-        """:func:`table_column` in the persistent tables (``ring_width`` columns) of pages of a [7, n] array, or of
-        a flat one whose entries belong to ``pool`` ([n] pool index)."""
-        modulus = self.modulus if pool is None else self.modulus[pool, 0]
-        return page - (page // modulus) * modulus
 
 
 @attrs.frozen
@@ -258,9 +232,11 @@ def verify_headroom(pl: PoolLayout, width: int) -> int:
     return ring_width_for(pl.table_width, pl.page_size, pl.reach, width)
 
 
-def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: np.ndarray | int
+              ) -> tuple[np.ndarray, np.ndarray]:
     """(first page, one past the last page) of the logical range ``[lo, hi)`` in pages of ``page_size``:
-    ``(lo // S, (hi - 1) // S + 1)``, and ``(0, 0)`` where the range is empty (hi <= lo). Elementwise, int64.
+    ``(lo // S, (hi - 1) // S + 1)``, and ``(0, 0)`` where the range is empty (hi <= lo). Elementwise, int64
+    (``page_size`` an int, or ``PoolColumns.page_size`` for [7, R] ranges).
 
     The one home of a live range's page span (allocator, validators, upstream checks and layouts call it).
 
@@ -322,17 +298,8 @@ def written_logical(pl: PoolLayout, positions: np.ndarray) -> np.ndarray:
     p = np.asarray(positions, dtype=np.int64)
     if not pl.ratio:
         return p
-    return written_entries(p, pl.ratio)
-
-
-def written_entries(positions: np.ndarray, ratio: np.ndarray | int, shift: np.ndarray | None = None) -> np.ndarray:
-    """:func:`written_logical`'s formula: entry ``(p + 1) // ratio - 1`` where ``(p + 1) % ratio == 0``, else -1;
-    ``ratio`` 1 gives the position itself. A [7, 1] ``ratio`` column (``PoolColumns.divisor``) gives every pool's
-    logical index at once, [7, T]; ``shift`` (``log2(ratio)``, when a power of two) spells the division as a shift."""
-    after = positions + 1
-    entries = after // ratio if shift is None else after >> shift
-    back = entries * ratio if shift is None else entries << shift
-    return np.where(back == after, entries - 1, -1)
+    entries = (p + 1) // pl.ratio
+    return np.where(entries * pl.ratio == p + 1, entries - 1, -1)
 
 
 def visible_entries(positions: np.ndarray, ratio: int) -> np.ndarray:

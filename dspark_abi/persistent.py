@@ -712,7 +712,7 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     ok = ~bad
     count = np.bincount(m_run[ok], minlength=7 * n_req)
     lo, hi = _page_bounds(m_run[ok], m_page[ok], 7 * n_req)
-    kept = np.clip(end - after_first, 0, None)
+    kept = np.maximum(end - after_first, 0)
     has_run = kept > 0
     new_first = np.where(has_run, np.minimum(after_first, lo), lo)
     new_end = np.where(has_run, np.maximum(end, hi), hi)
@@ -887,7 +887,8 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
     first_all = np.stack([runs[p][0] for p in POOL_NAMES])
     end_all = np.stack([runs[p][1] for p in POOL_NAMES])
     uncovered_all = nonempty & ((lo_all < first_all) | (hi_all > end_all))
-    narrow_any, uncovered_any = too_narrow.any(axis=1).tolist(), uncovered_all.any(axis=1).tolist()
+    narrow_any: list[bool] = np.logical_or.reduce(too_narrow, axis=1).tolist()      # per pool
+    uncovered_any: list[bool] = np.logical_or.reduce(uncovered_all, axis=1).tolist()
     derived_slots: dict[PoolName, np.ndarray] | None = None
     for i, p in enumerate(POOL_NAMES):
         pl = layout.pools[p]
