@@ -268,8 +268,7 @@ class BlockAllocator:
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         n_req = rows.size
         cols = self.layout.columns
-        held_first = np.stack([self._first[p][rows] for p in POOL_NAMES])        # [7, R] the runs held now
-        held_end = np.stack([self._end[p][rows] for p in POOL_NAMES])
+        held_first, held_end = self._persistent._runs[:, :, rows]                # [7, R] the runs held now
         first = np.where(fresh, 0, held_first)
         end = np.where(fresh, 0, held_end)
         lo, hi = cols.live_ranges(starts, ends)

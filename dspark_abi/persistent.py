@@ -163,14 +163,33 @@ class PersistentTables:
         self.layout = config.layout
         self.pool_blocks = PoolBlocks.from_mapping(pool_blocks)
         self._tables = {p: np.full((capacity, self.layout.pools[p].ring_width), -1, np.int32) for p in POOL_NAMES}
-        self._first = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
-        self._end = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
+        #: [2, 7, S] int64 the runs (first, end) of every pool and slot: one array, so that a step gathers its slots'
+        #: runs of all pools in one call; ``_first[p]`` / ``_end[p]`` are views of its rows (written in place)
+        self._runs = np.zeros((2, 7, capacity), np.int64)
+        self._first: dict[PoolName, np.ndarray] = {}
+        self._end: dict[PoolName, np.ndarray] = {}
+        self._bind_runs()
         #: pool -> [blocks] int32 slot holding each block, -1 = free (the proof that no block is held twice)
         self._owner = {p: np.full(self.pool_blocks[p], -1, np.int32) for p in POOL_NAMES}
         self._generations = np.zeros(capacity, np.int64)
         self._holders = np.full(capacity, -1, np.int64)
         self._in_use = np.zeros(capacity, dtype=bool)
         self._slot_of: dict[int, int] = {}
+
+    def _bind_runs(self) -> None:
+        """Point ``_first`` / ``_end`` (the same dictionaries: the owning allocator aliases them) at ``_runs``."""
+        for i, p in enumerate(POOL_NAMES):
+            self._first[p], self._end[p] = self._runs[0, i], self._runs[1, i]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PersistentTables:
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():
+            if name not in ("_first", "_end"):          # views: bound to the copied _runs below
+                setattr(clone, name, copy.deepcopy(value, memo))
+        clone._first, clone._end = {}, {}
+        clone._bind_runs()
+        return clone
 
     # ------------------------------------------------------------------ reading
     @property
@@ -254,7 +273,9 @@ class PersistentTables:
             raise ABIError(issues)
         out = cls(config, pool_blocks, capacity=0)
         for p in POOL_NAMES:
-            out._tables[p], out._first[p], out._end[p] = (got[f"{p}_{k}"] for k in ("table", "first", "end"))
+            out._tables[p] = got[f"{p}_table"]
+        out._runs = np.array([[got[f"{p}_{k}"] for p in POOL_NAMES] for k in ("first", "end")], np.int64)
+        out._bind_runs()
         out._generations, out._holders, out._in_use = (got["slot_generations"], got["slot_request_ids"],
                                                        got["slot_in_use"])
         out._slot_of = dict(zip(out._holders[out._in_use].tolist(), np.flatnonzero(out._in_use).tolist(),
@@ -361,10 +382,10 @@ class PersistentTables:
             grown = np.full((capacity, self._tables[p].shape[1]), -1, np.int32)
             grown[:old] = self._tables[p]
             self._tables[p] = grown
-            for runs in (self._first, self._end):
-                run = np.zeros(capacity, np.int64)
-                run[:old] = runs[p]
-                runs[p] = run
+        runs = np.zeros((2, 7, capacity), np.int64)
+        runs[:, :, :old] = self._runs
+        self._runs = runs
+        self._bind_runs()
         for name, fill in (("_generations", 0), ("_holders", -1), ("_in_use", False)):
             before = getattr(self, name)
             after = np.full(capacity, fill, before.dtype)
@@ -655,8 +676,8 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     index = np.full(tables.slots, -1, np.int64)      # slot -> its request in the step (slots known in range, distinct)
     index[slots] = np.arange(n_req)
     layout = tables.layout
-    first = np.stack([tables._first[p][slots] for p in POOL_NAMES]).reshape(-1)     # [7 * R], pool-major
-    end = np.stack([tables._end[p][slots] for p in POOL_NAMES]).reshape(-1)
+    now = tables._runs[:, :, slots]                                                 # [2, 7, R]: one gather
+    first, end = now[0].reshape(-1), now[1].reshape(-1)                              # [7 * R], pool-major
     width = np.array([tables._tables[p].shape[1] for p in POOL_NAMES], np.int64)
     ring = np.array([layout.pools[p].is_ring for p in POOL_NAMES])
     n_blocks = np.array([tables.pool_blocks[p] for p in POOL_NAMES], np.int64)
