@@ -156,9 +156,9 @@ def _int_vector(value: Any, lo: int, hi: int) -> tuple[np.ndarray | None, str]:
             return None, f"a {value.dtype} array"
         if value.ndim != 1:
             return None, f"an array of shape {value.shape}"
-        outside = np.flatnonzero((value < lo) | (value > hi))  # numpy compares with Python ints exactly
-        if outside.size:
-            i = int(outside[0])
+        # two reductions decide (numpy compares with Python ints exactly); the offender is looked for only then
+        if value.size and (value.min() < lo or value.max() > hi):
+            i = int(np.flatnonzero((value < lo) | (value > hi))[0])
             return None, f"element [{i}] = {value[i]} outside [{lo}, {hi}]"
         return value.astype(np.int64), ""
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
