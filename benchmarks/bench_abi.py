@@ -3,6 +3,7 @@
     python benchmarks/bench_abi.py            # both scenarios, 15 repeats
     python benchmarks/bench_abi.py --quick    # 3 repeats (smoke run)
     python benchmarks/bench_abi.py --scenario persistent    # full vs persistent form only
+    python benchmarks/bench_abi.py --against /path/to/other/checkout   # persistent steps: that code vs this one
 
 Scenario "1m": FLASH at 1,048,576 positions, N = 8192 new tokens over R = 64 continuing requests (ragged chunks,
 ragged cached contexts up to 1M), TP = 4. Scenario "16k": FLASH_16K, N = 8192 over R = 512 requests.
@@ -18,13 +19,20 @@ commit that advances the allocator after the forward. Every figure is a median o
 process, printed beside the memory-bandwidth floor of the bytes it must write (those bytes / a large np.copyto's
 bandwidth measured in the same run), so the ratios stay meaningful on a noisy shared machine even when the absolute
 numbers drift.
+``--against DIR``: the persistent steps of another checkout's ``dspark_abi`` (a worker process with DIR on its
+path, this file's scenarios) beside this one's, in alternating rounds of a few steps each, so both see the same
+machine load; each is printed as min / median over all its steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -309,6 +317,68 @@ def persistent_scenarios(repeat: int, bw: float) -> None:
             step_bytes(built), bw, f"(tables {held:.0f} MiB held, not copied)")
 
 
+def persistent_cases() -> dict[str, tuple[str, Callable[[], Serving]]]:
+    """The persistent scenarios by key: (label, a factory of its serving state)."""
+    k7 = FLASH_DSPARK.model_copy(update={"name": "flash-dspark-k7", "dspark_block_size": 7})   # S = 8 lanes
+    k7_2m = k7.model_copy(update={"name": "flash-dspark-k7-2m", "max_position_embeddings": 2 * 1048576})
+    return {
+        "verify": ("verify R=256 x 8, contexts up to 1M", lambda: Serving(k7, 256, 8, verify=True)),
+        "mixed": ("verify R=256 x 8 + 64 prefill rows", lambda: Serving(k7, 256, 8, verify=True, mixed=64)),
+        "prefill1m": ("prefill 1M, N=8192, R=64", lambda: Serving(FLASH, 64, 128, verify=False)),
+        "prefill16k": ("prefill 16K, N=8192, R=512", lambda: Serving(FLASH_16K, 512, 16, verify=False)),
+        "verify2m": ("verify R=256 x 8, 2M context, pools x2",
+                     lambda: Serving(k7_2m, 256, 8, verify=True, pool_scale=2)),
+    }
+
+
+def step_times(serving: Serving, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` persistent steps, each from a fresh copy of the state (copied outside the timing)."""
+    times = []
+    for _ in range(repeat):
+        state = serving.fresh()
+        t0 = time.perf_counter()
+        serving.step(state, "persistent")
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker() -> None:
+    """``--worker``: answer lines "<case> <repeat>" on stdin with the JSON list of those steps' seconds."""
+    cases, made = persistent_cases(), {}
+    for line in sys.stdin:
+        key, repeat = line.split()
+        if key not in made:
+            made[key] = cases[key][1]()
+        print(json.dumps(step_times(made[key], int(repeat))), flush=True)
+
+
+def against(other: str, rounds: int, per_round: int, bw: float) -> None:
+    """The persistent steps of the checkout ``other`` (before) and of this one (after), alternating rounds."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(other)}
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    if proc.stdin is None or proc.stdout is None:
+        raise SystemExit("could not start the worker")
+    print(f"persistent steps, {other} (before) vs this checkout (after), {rounds} alternating rounds of "
+          f"{per_round} steps; min / median ms:")
+    for key, (label, make) in persistent_cases().items():
+        serving = make()
+        nbytes = step_bytes(serving.step(serving.fresh(), "persistent"))
+        before: list[float] = []
+        after: list[float] = []
+        for _ in range(rounds):
+            proc.stdin.write(f"{key} {per_round}\n")
+            proc.stdin.flush()
+            before += json.loads(proc.stdout.readline())
+            after += step_times(serving, per_round)
+        floor = nbytes / bw * 1e3
+        b, a = np.array(before) * 1e3, np.array(after) * 1e3
+        print(f"  {label:<40} before {b.min():5.2f} / {np.median(b):5.2f}   after {a.min():5.2f} / "
+              f"{np.median(a):5.2f}   floor {floor:.3f} ms of {nbytes / 2**10:.0f} KiB")
+    proc.stdin.close()
+    proc.wait()
+
+
 def allocator_construction(config: ModelConfig, requests: int, repeat: int, bw: float) -> None:
     blocks = pool_blocks_for(config, [config.max_position_embeddings] * requests)
     probe = BlockAllocator(config, blocks, capacity=requests)
@@ -344,10 +414,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 repeats instead of 15")
     ap.add_argument("--scenario", choices=["1m", "16k", "verify", "persistent", "both", "all"], default="all",
                     help="both = 1m and 16k; all = 1m, 16k, verify and persistent (full vs persistent form)")
+    ap.add_argument("--against", metavar="DIR", help="another checkout: its persistent steps beside this one's")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        worker()
+        return
     repeat = 3 if args.quick else 15
     bw = bandwidth()
     print(f"memory bandwidth (np.copyto of 256 MiB): {bw / 1e9:.1f} GB/s")
+    if args.against:
+        against(args.against, 2 if args.quick else 8, 5, bw)
+        return
     if args.scenario in ("1m", "both", "all"):
         scenario("1m", FLASH, 8192, 64, 4, repeat, bw)
         allocator_construction(FLASH, 256, repeat, bw)
