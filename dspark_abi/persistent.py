@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import attrs
 import numpy as np
@@ -45,6 +45,7 @@ from dspark_abi.fields import (
 from dspark_abi.layout import (
     POOL_NAMES,
     CacheLayout,
+    PoolLayout,
     PoolName,
     live_range,
     page_span,
@@ -816,25 +817,16 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
     out = {}
     slots = tables.slots
     n = row_slot.size
-    for p in POOL_NAMES:
+    runs_of: dict[tuple[int, int], _Runs] = {}     # pools of one geometry (csa_cmp / idx, the two ratio-4 state
+    for p in POOL_NAMES:                           # pools) share their rows' pages and runs
         pl, table = layout.pools[p], tables._tables[p]
         width = table.shape[1]
-        logical = written_logical(pl, pos)
-        writes = logical >= 0
-        every = bool(writes.all())          # the per-token pools: every row writes
-        at_w = None if every else np.flatnonzero(writes)
-        lg, sl = (logical, row_slot) if at_w is None else (logical[at_w], row_slot[at_w])
-        page = lg // pl.page_size
+        geometry = runs_of.get((pl.ratio, pl.page_size))
+        if geometry is None:
+            geometry = runs_of[(pl.ratio, pl.page_size)] = _Runs.of(pl, row_slot, pos)
+        at_w, offset, run, e_slot, e_page = geometry
         result = np.full(n, -1, np.int64)
-        if page.size:
-            change = np.empty(page.size, dtype=bool)          # a new run: another page or another slot
-            change[0] = True
-            np.not_equal(page[1:], page[:-1], out=change[1:])
-            change[1:] |= sl[1:] != sl[:-1]
-            head = np.flatnonzero(change)
-            run = np.cumsum(change)
-            run -= 1
-            e_slot, e_page = sl[head], page[head]
+        if run.size:
             held = (e_page >= tables._first[p][e_slot]) & (e_page < tables._end[p][e_slot])
             flat = e_slot * width + table_column(pl, np.where(held, e_page, 0), width)    # one gather, flattened
             block = np.where(held, np.take(table.reshape(-1), flat), -1).astype(np.int64)
@@ -850,13 +842,42 @@ def written_slots(layout: CacheLayout, tables: PersistentTables, row_slot: np.nd
                     cell = found[hit] if order is None else order[found[hit]]
                     block[at[hit]] = c_block[cell] if is_map else -1
             row_block = block[run]
-            slot = np.where(row_block >= 0, row_block * pl.page_size + (lg - page * pl.page_size), -1)
+            slot = np.where(row_block >= 0, row_block * pl.page_size + offset, -1)
             if at_w is None:
                 result = slot
             else:
                 result[at_w] = slot
         out[p] = result
     return out
+
+
+class _Runs(NamedTuple):
+    """The rows of :func:`written_slots` that write a pool of one geometry (ratio, page size), grouped in runs of
+    consecutive rows writing one page of one slot."""
+
+    at_w: np.ndarray | None     # [W] the writing rows (None: every row writes)
+    offset: np.ndarray          # [W] each writing row's offset in its page
+    run: np.ndarray             # [W] its run
+    slot: np.ndarray            # [E] each run's slot
+    page: np.ndarray            # [E] and logical page
+
+    @classmethod
+    def of(cls, pl: PoolLayout, row_slot: np.ndarray, pos: np.ndarray) -> _Runs:
+        logical = written_logical(pl, pos)
+        writes = logical >= 0
+        at_w = None if bool(writes.all()) else np.flatnonzero(writes)       # the per-token pools: every row
+        lg, sl = (logical, row_slot) if at_w is None else (logical[at_w], row_slot[at_w])
+        page = lg // pl.page_size
+        if page.size == 0:
+            return cls(at_w, page, page, page, page)
+        change = np.empty(page.size, dtype=bool)          # a new run: another page or another slot
+        change[0] = True
+        np.not_equal(page[1:], page[:-1], out=change[1:])
+        change[1:] |= sl[1:] != sl[:-1]
+        head = np.flatnonzero(change)
+        run = np.cumsum(change)
+        run -= 1
+        return cls(at_w, lg - page * pl.page_size, run, sl[head], page[head])
 
 
 def _ordered(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
