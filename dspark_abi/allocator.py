@@ -272,10 +272,11 @@ class BlockAllocator:
         first = np.where(fresh, 0, held_first)
         end = np.where(fresh, 0, held_end)
         lo, hi = cols.live_ranges(starts, ends)
-        a, b = page_span(lo, hi, cols.page_size)                                 # [7, R] the live pages
+        a, b = page_span(lo, hi, cols.page_size, shift=cols.page_shift)          # [7, R] the live pages
 
         # release: the ring pages below the live range that earlier steps mapped (out of reach from now on)
-        keep_from = np.maximum(starts - cols.reach, 0) // cols.page_size
+        keep_from = np.maximum(starts - cols.reach, 0)
+        keep_from = keep_from // cols.page_size if cols.page_shift is None else keep_from >> cols.page_shift
         count = np.minimum(keep_from, held_end) - held_first
         count *= (ends > starts) & ~fresh & cols.ring & (count > 0)
         r_owner, r_page = expand_ranges(held_first.reshape(-1), count.reshape(-1))

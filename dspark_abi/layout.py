@@ -123,6 +123,10 @@ class PoolColumns:
     ring_width: np.ndarray
     #: [7, 1] bool: the pool's reach is the sliding window's (ori)
     windowed: np.ndarray
+    #: log2 of ``page_size`` / of ``divisor`` ([7, 1]), None unless each is a power of two (the ABI's are): a shift
+    #: by a column is one vector pass, numpy's integer division by a column is ten times slower than by a scalar
+    page_shift: np.ndarray | None
+    divisor_shift: np.ndarray | None
 
     @classmethod
     def of(cls, pools: Iterator[PoolLayout]) -> PoolColumns:
@@ -133,10 +137,16 @@ class PoolColumns:
             a.flags.writeable = False
             return a
 
-        return cls(page_size=col([pl.page_size for pl in rows]), divisor=col([pl.ratio or 1 for pl in rows]),
+        def shifts(values: list[int]) -> np.ndarray | None:
+            exact = all(v > 0 and v & (v - 1) == 0 for v in values)
+            return col([v.bit_length() - 1 for v in values]) if exact else None
+
+        sizes, divisors = [pl.page_size for pl in rows], [pl.ratio or 1 for pl in rows]
+        return cls(page_size=col(sizes), divisor=col(divisors),
                    reach=col([pl.reach if pl.is_ring else 0 for pl in rows]),
                    ring=col([pl.is_ring for pl in rows], bool), ring_width=col([pl.ring_width for pl in rows]),
-                   windowed=col([pl.is_ring and not pl.is_state for pl in rows], bool))
+                   windowed=col([pl.is_ring and not pl.is_state for pl in rows], bool),
+                   page_shift=shifts(sizes), divisor_shift=shifts(divisors))
 
     def live_ranges(self, start: np.ndarray, end: np.ndarray, window: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -146,7 +156,12 @@ class PoolColumns:
         reach = self.reach if window is None else np.where(self.windowed, window - 1, self.reach)
         lo = np.maximum(start - reach, 0)
         lo *= self.ring                                  # the compressed pools read their whole history
-        return lo, end // self.divisor
+        return lo, end // self.divisor if self.divisor_shift is None else end >> self.divisor_shift
+
+    def page_spans(self, start: np.ndarray, end: np.ndarray, window: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """([7, R], [7, R]) :func:`page_span` of every pool's :meth:`live_ranges`."""
+        return page_span(*self.live_ranges(start, end, window), self.page_size, shift=self.page_shift)
 
 
 @attrs.frozen
@@ -232,11 +247,12 @@ def verify_headroom(pl: PoolLayout, width: int) -> int:
     return ring_width_for(pl.table_width, pl.page_size, pl.reach, width)
 
 
-def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: np.ndarray | int
-              ) -> tuple[np.ndarray, np.ndarray]:
+def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: np.ndarray | int, *,
+              shift: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(first page, one past the last page) of the logical range ``[lo, hi)`` in pages of ``page_size``:
     ``(lo // S, (hi - 1) // S + 1)``, and ``(0, 0)`` where the range is empty (hi <= lo). Elementwise, int64
-    (``page_size`` an int, or ``PoolColumns.page_size`` for [7, R] ranges).
+    (``page_size`` an int, or ``PoolColumns.page_size`` for [7, R] ranges; ``shift``: ``log2(page_size)``, when
+    given the divisions are spelled as shifts, the same floor for a power of two).
 
     The one home of a live range's page span (allocator, validators, upstream checks and layouts call it).
 
@@ -245,10 +261,13 @@ def page_span(lo: np.ndarray | int, hi: np.ndarray | int, page_size: np.ndarray 
     """
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     has = hi > lo
-    first = lo // page_size             # new arrays, then updated in place: the fewest passes and allocations
-    first *= has
+    first = lo // page_size if shift is None else lo >> shift    # new arrays, then updated in place: the fewest
+    first *= has                                                  # passes and allocations
     stop = hi - 1
-    stop //= page_size
+    if shift is None:
+        stop //= page_size
+    else:
+        stop >>= shift
     stop += 1
     stop *= has
     return first, stop

@@ -87,7 +87,7 @@ def step_widths(layout: CacheLayout, window: int, starts: np.ndarray, ends: np.n
     least 1); for ring pools ``ring_width`` with ``fixed_ring``, or at least ``ring_floor`` (a verify step's
     headroom, :func:`~dspark_abi.layout.verify_headroom`)."""
     cols = layout.columns                   # the seven pools at once: [7, R] (live_pages's formula)
-    first, stop = page_span(*cols.live_ranges(starts, ends, window), cols.page_size)
+    first, stop = cols.page_spans(starts, ends, window)
     stop -= first * cols.ring
     stop *= ends > starts
     most = stop.max(axis=1, initial=0).tolist()
@@ -923,7 +923,7 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
     request = np.arange(slots.size)
     nonempty = ok_req & (end > start)
     cols = layout.columns                   # the seven pools' pages at once, [7, R]
-    lo_all, hi_all = page_span(*cols.live_ranges(start, end, window), cols.page_size)
+    lo_all, hi_all = cols.page_spans(start, end, window)
     need_all = np.where(nonempty, hi_all - lo_all * cols.ring, 0)
     too_narrow = need_all > step.table_widths.astype(np.int64).reshape(7, 1)
     first_all = np.stack([runs[p][0] for p in POOL_NAMES])

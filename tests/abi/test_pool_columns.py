@@ -4,11 +4,12 @@ pools, and the allocator's array lookups of request ids (cached tokens, rows) fo
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
-from dspark_abi.layout import POOL_NAMES, live_range, page_span
+from dspark_abi.layout import POOL_NAMES, PoolColumns, live_range, page_span
 from dspark_abi.persistent import DeltaCells
 from dspark_abi.presets import FLASH, TINY, TINY_1M
 
@@ -20,13 +21,21 @@ def test_live_ranges_of_all_pools_are_each_pools_live_range(config):
     ends = np.minimum(starts + rng.integers(0, 9000, 200), config.max_position_embeddings)
     ends[:20] = starts[:20]                                  # empty requests too
     starts[20:30] = 0
-    cols = config.layout.columns
+    odd = {p: attrs.evolve(pl, page_size=pl.page_size + 1, ratio=pl.ratio + 1 if pl.ratio else 0)
+           for p, pl in config.layout.pools.items()}           # no power of two: the divisions, not shifts
+    for pools, cols in ((config.layout.pools, config.layout.columns),
+                        (odd, PoolColumns.of(odd[p] for p in POOL_NAMES))):
+        assert (cols.page_shift is None) == (pools is odd)
+        _agree(config, pools, cols, starts, ends)
+
+
+def _agree(config, pools, cols, starts, ends):
     for window in (None, config.sliding_window, 7):
         lo, hi = cols.live_ranges(starts, ends, window)
-        first, stop = page_span(lo, hi, cols.page_size)
+        first, stop = cols.page_spans(starts, ends, window)
         assert lo.shape == hi.shape == (7, starts.size)
         for i, p in enumerate(POOL_NAMES):
-            pl = config.layout.pools[p]
+            pl = pools[p]
             want = live_range(pl, starts, ends, config.sliding_window if window is None else window)
             assert np.array_equal(lo[i], want[0]) and np.array_equal(hi[i], want[1]), (p, window)
             want_pages = page_span(*want, pl.page_size)
