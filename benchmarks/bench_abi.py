@@ -4,6 +4,7 @@
     python benchmarks/bench_abi.py --quick    # 3 repeats (smoke run)
     python benchmarks/bench_abi.py --scenario persistent    # full vs persistent form only
     python benchmarks/bench_abi.py --against /path/to/other/checkout   # persistent steps: that code vs this one
+    python benchmarks/bench_abi.py --phases   # the persistent verify step split by phase, and its call count
 
 Scenario "1m": FLASH at 1,048,576 positions, N = 8192 new tokens over R = 64 continuing requests (ragged chunks,
 ragged cached contexts up to 1M), TP = 4. Scenario "16k": FLASH_16K, N = 8192 over R = 512 requests.
@@ -379,6 +380,51 @@ def against(other: str, rounds: int, per_round: int, bw: float) -> None:
     proc.wait()
 
 
+def phases(repeat: int) -> None:
+    """``--phases``: the persistent verify step at 1M split by phase (each phase timed by a wrapper around its call,
+    min / median ms), then cProfile's count of Python function calls in one step."""
+    import cProfile
+    import pstats
+
+    from dspark_abi import allocator, builder, persistent
+
+    times: dict[str, list[float]] = {}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kw)
+            finally:
+                times.setdefault(label, []).append(time.perf_counter() - t0)
+        setattr(owner, name, call)
+
+    serving = persistent_cases()["verify"][1]()
+    profile = cProfile.Profile()                            # before the wrappers, which would add their calls
+    profile.runcall(serving.step, serving.fresh(), "persistent")
+    calls = pstats.Stats(profile).total_calls
+    wrapped = (
+            (builder.BatchBuilder, "_check_specs", "queued requests checked (_check_specs)"),
+            (allocator.BlockAllocator, "plan", "BlockAllocator.plan"),
+            (builder.BatchBuilder, "_rows", "per-row arrays (_rows)"),
+            (builder, "step_widths", "step_widths"),
+            (builder, "written_slots", "written_slots"),
+            (builder, "PersistentStep", "the step frozen (PersistentStep)"),
+            (builder, "check_step", "check_step"),
+            (persistent, "_delta_issues", "  of which the delta (_delta_issues)"),
+            (persistent, "check_tokens", "  of which the token rules (check_tokens)"),
+            (builder.BatchBuilder, "commit", "commit"))
+    for owner, name, label in wrapped:
+        timed(owner, name, label)
+    whole = step_times(serving, repeat)
+    print(f"persistent verify step at 1M by phase, {repeat} steps, min / median ms:")
+    for label, seconds in [*((label, times[label]) for _, _, label in wrapped), ("whole step", whole)]:
+        print(f"  {label:<44} {min(seconds) * 1e3:6.3f} / {statistics.median(seconds) * 1e3:6.3f}")
+    print(f"  Python function calls in one step (cProfile): {calls:,}")
+
+
 def allocator_construction(config: ModelConfig, requests: int, repeat: int, bw: float) -> None:
     blocks = pool_blocks_for(config, [config.max_position_embeddings] * requests)
     probe = BlockAllocator(config, blocks, capacity=requests)
@@ -415,6 +461,7 @@ def main() -> None:
     ap.add_argument("--scenario", choices=["1m", "16k", "verify", "persistent", "both", "all"], default="all",
                     help="both = 1m and 16k; all = 1m, 16k, verify and persistent (full vs persistent form)")
     ap.add_argument("--against", metavar="DIR", help="another checkout: its persistent steps beside this one's")
+    ap.add_argument("--phases", action="store_true", help="the persistent verify step split by phase, and profiled")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -425,6 +472,9 @@ def main() -> None:
     print(f"memory bandwidth (np.copyto of 256 MiB): {bw / 1e9:.1f} GB/s")
     if args.against:
         against(args.against, 2 if args.quick else 8, 5, bw)
+        return
+    if args.phases:
+        phases(12 if args.quick else 60)
         return
     if args.scenario in ("1m", "both", "all"):
         scenario("1m", FLASH, 8192, 64, 4, repeat, bw)
