@@ -172,7 +172,12 @@ class BlockAllocator:
     def cached_tokens_of(self, request_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """[R] int64 cached tokens of each request, -1 for one this allocator does not know (one lock, no raise)."""
         with self._lock:
-            rows = self._rows_of(np.asarray(request_ids, np.int64).reshape(-1))
+            try:
+                ids = np.asarray(request_ids, np.int64).reshape(-1)
+            except (OverflowError, TypeError, ValueError):      # not all int64 ids: one by one
+                row_of = self._row_of
+                return np.array([self._cached_rows[row_of[r]] if r in row_of else -1 for r in request_ids], np.int64)
+            rows = self._rows_of(ids)
             return np.where(rows >= 0, self._cached_rows[rows], -1)
 
     def _rows_of(self, ids: np.ndarray) -> np.ndarray:

@@ -81,3 +81,4 @@ def test_request_lookups_follow_commits_and_releases():
         assert got.tolist() == [-1, *[cached[r] for r in sorted(cached)], -1]
         assert alloc._cached == cached
         assert all(alloc.cached_tokens(r) == c for r, c in cached.items())
+    assert alloc.cached_tokens_of([2**70, *sorted(cached)]).tolist() == [-1, *[cached[r] for r in sorted(cached)]]
