@@ -719,9 +719,10 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     for p, at in _segments(m_pool, in_range):
         owner[at] = tables._owner[p][m_block[at]]
     taken = owner >= 0
-    if taken.any() and freed.size:       # a block the same delta releases may be mapped again
-        keys = m_pool * _KEY + m_block
-        taken &= freed[np.minimum(np.searchsorted(freed, keys), freed.size - 1)] != keys
+    if taken.any() and freed.size:       # a block the same delta releases may be mapped again (only held ones
+        at = np.flatnonzero(taken)       # are looked for among the freed)
+        keys = m_pool[at] * _KEY + m_block[at]
+        taken[at] = freed[np.minimum(np.searchsorted(freed, keys), freed.size - 1)] != keys
     _flag_pools(issues, "delta.mapped", MAPPED_SPECS, m_pool, ~in_range | taken, "a mapped block must be in the "
                 "pool and free (or released by this delta)", expected="a free block", actual=m_block)
     for what, keys in (("cell", m_run * _KEY + m_page), ("block", m_pool * _KEY + m_block)):
