@@ -876,8 +876,7 @@ class _Runs(NamedTuple):
         np.not_equal(page[1:], page[:-1], out=change[1:])
         change[1:] |= sl[1:] != sl[:-1]
         head = np.flatnonzero(change)
-        run = np.cumsum(change)
-        run -= 1
+        run = np.repeat(np.arange(head.size), np.diff(head, append=page.size))     # (a cumsum of the bools is slower)
         return cls(at_w, lg - page * pl.page_size, run, sl[head], page[head])
 
 
