@@ -876,7 +876,10 @@ class _Runs(NamedTuple):
         np.not_equal(page[1:], page[:-1], out=change[1:])
         change[1:] |= sl[1:] != sl[:-1]
         head = np.flatnonzero(change)
-        run = np.repeat(np.arange(head.size), np.diff(head, append=page.size))     # (a cumsum of the bools is slower)
+        length = np.empty(head.size, np.int64)          # rows per run; a cumsum of the change mask is slower
+        np.subtract(head[1:], head[:-1], out=length[:-1])
+        length[-1] = page.size - head[-1]
+        run = np.repeat(np.arange(head.size), length)
         return cls(at_w, lg - page * pl.page_size, run, sl[head], page[head])
 
 
