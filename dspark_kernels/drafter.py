@@ -197,16 +197,17 @@ class DSparkDrafter:
             raise ABIError([Issue("array.shape", "anchors", "one anchor and one anchor position per request",
                                   expected=[len(request_ids)], actual=[list(anchors.shape), list(at.shape)])])
         expected = self.rings.last[slots] + 1
+        ids = [int(r) for r in request_ids]
         issues += [Issue("drafter.gap", "anchor_positions", "the anchor must follow the last observed row", index=i,
-                         request=int(request_ids[i]), expected=int(expected[i]), actual=int(at[i]),
+                         request=ids[i], expected=int(expected[i]), actual=int(at[i]),
                          fix="observe every committed row before drafting")
-                   for i in np.flatnonzero(at != expected)]
-        issues += [Issue("token_ids.range", "anchors", "anchors must be vocabulary ids", index=int(i),
-                         request=int(request_ids[i]), expected=f"[0, {c.vocab_size})", actual=int(anchors[i]))
-                   for i in np.flatnonzero((anchors < 0) | (anchors >= c.vocab_size))]
+                   for i in np.flatnonzero(at != expected).tolist()]
+        issues += [Issue("token_ids.range", "anchors", "anchors must be vocabulary ids", index=i,
+                         request=ids[i], expected=f"[0, {c.vocab_size})", actual=int(anchors[i]))
+                   for i in np.flatnonzero((anchors < 0) | (anchors >= c.vocab_size)).tolist()]
         issues += [Issue("positions.out_of_range", "anchor_positions", "the block's rows pass the position limit",
-                         index=int(i), request=int(request_ids[i]), expected=f"<= {c.max_position_embeddings - b}",
-                         actual=int(at[i])) for i in np.flatnonzero(at + b > c.max_position_embeddings)]
+                         index=i, request=ids[i], expected=f"<= {c.max_position_embeddings - b}",
+                         actual=int(at[i])) for i in np.flatnonzero(at + b > c.max_position_embeddings).tolist()]
         if issues:
             raise ABIError(issues)
         if anchors.size == 0:
@@ -219,7 +220,7 @@ class DSparkDrafter:
         def run(rank: int) -> None:
             try:
                 results[rank] = self._draft_rank(slots, anchors, at, rank, group.gatherer(rank))
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, peers released
+            except BaseException as exc:
                 results[rank] = exc
                 group.abort()
 
@@ -271,7 +272,8 @@ class DSparkDrafter:
         """[R*B, V] fp32 LM-head logits (the target's head; vocabulary shards gathered under TP)."""
         head, v = self.target.head().head, self.config.vocab_size
         if rank is None or all_gather is None or self.tp == 1:
-            return hidden @ head.T
+            full: np.ndarray = hidden @ head.T
+            return full
         width = vocab_shard_width(v, self.tp)
         shard = np.full((hidden.shape[0], width), -np.inf, np.float32)
         part = hidden @ head[vocab_shard(v, self.tp, rank)].T

@@ -128,9 +128,9 @@ class _Renamed(ShardIndex):
     """A :class:`ShardIndex` whose tensors are another's under the stage view's names (headers shared, nothing
     read); every reader of the target's loader then works on it unchanged."""
 
-    def __init__(self, shards: ShardIndex, stages: int):  # noqa: D107 - not ShardIndex's constructor on purpose
+    def __init__(self, shards: ShardIndex, stages: int):
         self.unreadable = []
-        stored = getattr(shards, "_stored")
+        stored = shards._stored
         self._stored = {}
         for name, st in stored.items():
             base = name.removesuffix(".scale")
