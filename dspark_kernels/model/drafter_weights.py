@@ -123,6 +123,13 @@ class DrafterRandomSource(RandomSource):
     def seed_name(self, name: str) -> str:
         return name if name in self.own else checkpoint_name(name, self.stages)
 
+    def load_checkpoint_name(self, name: str) -> np.ndarray:
+        """The value of checkpoint tensor ``name`` (``mtp.*``; a stage tensor or one of the drafter's own)."""
+        view = name if name in self.own else _view_name(name, self.stages)
+        if view is None:
+            raise KeyError(f"{name} is not a tensor of the drafter")
+        return self.load(view)
+
 
 class _Renamed(ShardIndex):
     """A :class:`ShardIndex` whose tensors are another's under the stage view's names (headers shared, nothing
@@ -194,6 +201,13 @@ class DrafterWeights:
         a drafter: run without speculation)."""
         stage_cfg = stage_config(config)
         shards = ShardIndex(paths if isinstance(paths, str | Path) else [Path(p) for p in paths])
+        if not any(n.startswith("mtp.") for n in shards.names):
+            raise WeightsError([Issue("array.missing", "mtp.*", "the checkpoint holds no DSpark drafter tensors",
+                                      expected=f"{config.n_mtp_layers} draft stages (mtp.0 .. mtp."
+                                      f"{config.n_mtp_layers - 1})", actual="no mtp.* tensor",
+                                      fix="run without speculation (no drafter), or add the drafter's shards "
+                                      "(46-48 of DeepSeek-V4-Flash-DSpark)")],
+                               config_name=f"{config.name} drafter", required=1)
         own = extra_formats(config, QuantFormat(quantized=True))
         report = shards.validate(own)
         try:
