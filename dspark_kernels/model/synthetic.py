@@ -175,7 +175,8 @@ def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
     a directory, device, FIFO or socket in the folder's place of a file raises ``WriteTargetError``).
 
     Shards: ``model-00000-of-0000N.safetensors`` holds embed, norm, head and hc_head; shard ``i + 1`` holds
-    layer i; then one shard per draft stage s (``mtp.{s}.*``). Returns the folder. ``quant_format`` defaults to V4-Flash's (FP8 blocks, FP4 experts).
+    layer i; then one shard per draft stage s (``mtp.{s}.*``). Returns the folder. ``quant_format`` defaults to
+    V4-Flash's (FP8 blocks, FP4 experts).
     """
     q = quant_format or QuantFormat(quantized=True)
     root = Path(folder)
