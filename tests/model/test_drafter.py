@@ -246,7 +246,7 @@ def test_packed_equals_alone():
 
 @pytest.mark.parametrize("tp", [2, 3])
 def test_tp_threads_equal_the_single_group(tp):
-    lengths = {1: 9, 2: W + 4, 3: 2, 4: 30}
+    lengths = LENGTHS
     single, group = _drafter(), _drafter(tp=tp, tp_mode="threads")
     _observe(single, lengths)
     _observe(group, lengths)
@@ -291,3 +291,54 @@ def test_observe_gap_and_unknown_request_change_nothing():
     with pytest.raises(ABIError):
         d.draft([7], np.array([1]), np.array([20]))
 
+
+
+_DISTRIBUTED_RANK = '''
+import json, sys
+import numpy as np
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank_main(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        sys.path.insert(0, "tests/model")
+        from test_drafter import _drafter, _draft, _observe, LENGTHS
+        d = _drafter(tp=2, tp_mode="distributed")
+        _observe(d, LENGTHS)
+        out = _draft(d, LENGTHS)
+        np.savez(f"{out_dir}/rank{rank}.npz", tokens=out.tokens, confidence=out.confidence)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.start_processes(rank_main, args=(sys.argv[1], sys.argv[2]), nprocs=2, join=True, start_method="spawn")
+'''
+#: requests of the TP tests (ragged: the last shares split a request's block rows across ranks)
+LENGTHS = {1: 9, 2: W + 4, 3: 2, 4: 30}
+
+
+@pytest.mark.distributed
+def test_two_process_gloo_drafter_equals_the_single_group(tmp_path):
+    """tp_mode 'distributed': two rank processes on torch.distributed (gloo), each with its own drafter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "ranks.py"
+    script.write_text(_DISTRIBUTED_RANK)
+    repo = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]), "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "init"), str(tmp_path)], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    single = _drafter()
+    _observe(single, LENGTHS)
+    want = _draft(single, LENGTHS)
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        np.testing.assert_array_equal(got["tokens"], want.tokens)
+        assert_close(got["confidence"], want.confidence, order_atol(want.confidence, K_DRAFT, 4), f"rank {rank}")
