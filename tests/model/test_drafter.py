@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import ml_dtypes
 import numpy as np
 import pytest
 from tolerances import assert_close, layer_reductions, order_atol
@@ -295,6 +296,7 @@ def test_observe_gap_and_unknown_request_change_nothing():
 
 _DISTRIBUTED_RANK = '''
 import json, sys
+import ml_dtypes
 import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -342,3 +344,38 @@ def test_two_process_gloo_drafter_equals_the_single_group(tmp_path):
         got = np.load(tmp_path / f"rank{rank}.npz")
         np.testing.assert_array_equal(got["tokens"], want.tokens)
         assert_close(got["confidence"], want.confidence, order_atol(want.confidence, K_DRAFT, 4), f"rank {rank}")
+
+
+def test_a_draft_reads_only_the_last_window_rows():
+    """Two histories that differ only before the last W positions draft the same (the ring forgets them), and a
+    change inside the window changes the draft's confidence."""
+    n = 2 * W + 3
+    base = _features(6, n)
+    older = base.copy()
+    older[: n - W] += 1.0
+    newer = base.copy()
+    newer[n - 1] += 1.0
+    outs = []
+    for feats in (base, older, newer):
+        d = _drafter()
+        d.observe([6], [np.arange(n)], [feats])
+        outs.append(d.draft([6], np.array([9]), np.array([n])))
+    np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
+    np.testing.assert_array_equal(outs[1].confidence, outs[0].confidence)
+    assert np.abs(outs[2].confidence - outs[0].confidence).max() > order_atol(outs[0].confidence, K_DRAFT, 4)
+
+
+def test_deepseek_precision_rounds_to_bf16_where_the_release_does():
+    d = _drafter(precision="deepseek")
+    _observe(d, {1: 12})
+    ring = d.rings.rings[:, d.rings.slot_of[1], :12]
+    # RoPE dims bf16 (the release's bf16 activations), non-RoPE dims on the FP8 grid
+    np.testing.assert_array_equal(ring[..., -RD:], ring[..., -RD:].astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(ds.kv_fake_quant(ring, RD), ring)
+    out = _draft(d, {1: 12})
+    fp32 = _drafter()
+    _observe(fp32, {1: 12})
+    ref = _draft(fp32, {1: 12})
+    assert out.tokens.shape == ref.tokens.shape and np.isfinite(out.confidence).all()
+    # the bf16 activations and FP8 steps are really taken: the confidence moves by more than fp32 orders could
+    assert np.abs(out.confidence - ref.confidence).max() > order_atol(ref.confidence, K_DRAFT, 4)
