@@ -48,7 +48,8 @@ _LAST_STAGE_GLOBALS = ("norm.weight", "hc_head_fn", "hc_head_scale", "hc_head_ba
 
 
 def drafter_issues(config: ModelConfig) -> list[Issue]:
-    """``drafter.config`` issues of a config that cannot run the DSpark drafter (empty = it can)."""
+    """``drafter.config`` issues of a config that cannot run the DSpark drafter (empty = it can): no block size, no
+    target layers, or a noise token outside the vocabulary (the Markov rank is always >= 1)."""
     out = []
     if not config.dspark_block_size:
         out.append(Issue("drafter.config", "dspark_block_size", "the config has no DSpark drafter (block size 0)",
@@ -56,14 +57,16 @@ def drafter_issues(config: ModelConfig) -> list[Issue]:
     if not config.dspark_target_layers:
         out.append(Issue("drafter.config", "dspark_target_layers", "the drafter needs target layers",
                          expected="e.g. [40, 41, 42]", actual=[], fix="set dspark_target_layer_ids"))
-    if not config.dspark_markov_rank:
-        out.append(Issue("drafter.config", "dspark_markov_rank", "the drafter's Markov head needs a rank",
-                         expected=">= 1", actual=0, fix="set dspark_markov_rank (256 for V4-Flash-DSpark)"))
     if not 0 <= config.dspark_noise_token_id < config.vocab_size:
         out.append(Issue("drafter.config", "dspark_noise_token_id", "the noise token must be a vocabulary id",
                          expected=f"[0, {config.vocab_size})", actual=config.dspark_noise_token_id,
                          fix="copy dspark_noise_token_id from the checkpoint's config.json"))
     return out
+
+
+def has_drafter(config: ModelConfig) -> bool:
+    """Whether ``config`` describes a DSpark drafter (no :func:`drafter_issues`)."""
+    return not drafter_issues(config)
 
 
 def stage_config(config: ModelConfig) -> ModelConfig:
@@ -76,7 +79,7 @@ def stage_config(config: ModelConfig) -> ModelConfig:
     return config.model_copy(update={
         "name": f"{config.name}-drafter", "compress_ratios": (0,) * config.n_mtp_layers,
         "moe": config.moe.model_copy(update={"num_hash_layers": 0}), "dspark_target_layers": (),
-        "dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_markov_rank": 0})
+        "dspark_block_size": 0, "dspark_noise_token_id": 0})
 
 
 def draft_layout(config: ModelConfig) -> DraftLayout:

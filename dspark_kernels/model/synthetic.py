@@ -32,7 +32,7 @@ from dspark_abi import ModelConfig
 from dspark_abi.io import safe_write
 from dspark_kernels.model import quant
 from dspark_kernels.model.checkpoint_format import QuantFormat, TensorFormat, model_formats
-from dspark_kernels.model.drafter_weights import DrafterRandomSource, draft_layout
+from dspark_kernels.model.drafter_weights import DrafterRandomSource, draft_layout, has_drafter
 from dspark_kernels.model.shard_index import INDEX_FILE
 from dspark_kernels.model.weights import RandomSource
 
@@ -157,7 +157,7 @@ class _CheckpointValues:
 
     def __init__(self, config: ModelConfig, seed: int):
         self.target = RandomSource(config, seed, share_layers=False)
-        self.drafter = DrafterRandomSource(config, seed) if config.dspark_markov_rank else None
+        self.drafter = DrafterRandomSource(config, seed) if has_drafter(config) else None
 
     def load(self, name: str) -> np.ndarray:
         if name.startswith("mtp.") and self.drafter is not None:
@@ -168,7 +168,7 @@ class _CheckpointValues:
 def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
                      quant_format: QuantFormat | None = None) -> Path:
     """Write a checkpoint of ``config`` in the shipped format into ``folder`` (created; regular files overwritten).
-    A DSpark config (``dspark_markov_rank`` set) also gets its drafter's ``mtp.*`` tensors, one shard per draft
+    A DSpark config (a block size and target layers) also gets its drafter's ``mtp.*`` tensors, one shard per draft
     stage after the layers' (:func:`~dspark_kernels.model.checkpoint_format.draft_formats`).
 
     Every target is checked before the first byte is written (:func:`dspark_abi.io.safe_write.check_target`:
@@ -181,7 +181,7 @@ def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
     q = quant_format or QuantFormat(quantized=True)
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    draft = draft_layout(config) if config.dspark_markov_rank else None
+    draft = draft_layout(config) if has_drafter(config) else None
     formats = model_formats(config, q, draft)
     source = _CheckpointValues(config, seed)
     groups: list[list[TensorFormat]] = [[f for n, f in formats.items() if not n.startswith(("layers.", "mtp."))]]

@@ -44,7 +44,7 @@ def test_the_synthetic_checkpoint_stores_the_drafter_as_shipped(checkpoint: Path
     assert index.stored(last + "markov_head.markov_w1.weight").dtype == "BF16"
     assert index.stored(last + "hc_head_fn").dtype == "F32"
     hf = json.loads((checkpoint / "config.json").read_text())
-    assert (hf["dspark_markov_rank"], hf["n_mtp_layers"], hf["dspark_noise_token_id"]) == (16, 3, 1023)
+    assert (hf["dspark_markov_rank"], hf["n_mtp_layers"], hf["dspark_noise_token_id"]) == (256, 3, 0)
 
 
 def test_streamed_drafter_weights_are_the_random_ones_in_their_stored_formats(checkpoint: Path):
@@ -78,7 +78,7 @@ def test_a_drafter_from_the_checkpoint_drafts(checkpoint: Path):
 
 
 def test_a_checkpoint_without_a_drafter_is_one_clear_issue(tmp_path: Path):
-    plain = write_checkpoint(tmp_path / "plain", C.model_copy(update={"dspark_markov_rank": 0}), seed=0)
+    plain = write_checkpoint(tmp_path / "plain", C.model_copy(update={"dspark_block_size": 0}), seed=0)
     with pytest.raises(WeightsError) as err:
         DrafterWeights.from_safetensors(plain, C)
     (issue,) = err.value.issues
