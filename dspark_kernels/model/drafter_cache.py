@@ -76,16 +76,12 @@ class DrafterRings:
     # ------------------------------------------------------------------ writes
     def admit(self, request_ids: Sequence[int]) -> np.ndarray:
         """[R] slots of ``request_ids``, new requests given free slots (the rings grow when full)."""
-        for rid in request_ids:
-            if int(rid) in self.slot_of:
-                continue
-            free = np.flatnonzero(self.last < 0)
-            free = free[~np.isin(free, list(self.slot_of.values()))]
-            if free.size == 0:
-                self._grow()
-                free = np.flatnonzero(self.last < 0)
-                free = free[~np.isin(free, list(self.slot_of.values()))]
-            self.slot_of[int(rid)] = int(free[0])
+        new = [int(r) for r in request_ids if int(r) not in self.slot_of]
+        while len(new) > self.last.size - len(self.slot_of):
+            self._grow()
+        taken = set(self.slot_of.values())
+        free = (slot for slot in range(self.last.size) if slot not in taken)
+        self.slot_of |= dict(zip(new, free, strict=False))
         return np.array([self.slot_of[int(r)] for r in request_ids], dtype=np.int64)
 
     def write(self, stage: int, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:
