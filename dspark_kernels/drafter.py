@@ -137,10 +137,11 @@ class DSparkDrafter:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: ModelConfig, target: ModelWeights, *,
                         precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
-                        backend: Backend | None = None) -> DSparkDrafter:
-        """The drafter of a checkpoint folder (``mtp.*`` tensors, streamed: :meth:`DrafterWeights.from_safetensors`)."""
-        return cls(config, DrafterWeights.from_safetensors(path, config), target, precision=precision, tp=tp,
-                   tp_mode=tp_mode, backend=backend)
+                        backend: Backend | None = None, keep_layers: bool = False) -> DSparkDrafter:
+        """The drafter of a checkpoint folder (``mtp.*`` tensors: :meth:`DrafterWeights.from_safetensors`; streamed,
+        or with ``keep_layers`` every stage kept once read, which saves re-reading them at every draft)."""
+        return cls(config, DrafterWeights.from_safetensors(path, config, keep_layers=keep_layers), target,
+                   precision=precision, tp=tp, tp_mode=tp_mode, backend=backend)
 
     # ------------------------------------------------------------------ observe
     def main_x(self, features: np.ndarray) -> np.ndarray:

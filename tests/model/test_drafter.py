@@ -294,6 +294,10 @@ def test_observe_gap_and_unknown_request_change_nothing():
     with pytest.raises(ABIError) as err:                          # a new request starts at 0
         d.observe([9], [np.arange(3, 5)], [_features(9, 2, 3)])
     assert err.value.issues[0].code == "drafter.gap"
+    with pytest.raises(ABIError) as err:                          # a hole inside the rows; a request twice
+        d.observe([7, 8, 8], [np.array([20, 22]), np.arange(2), np.arange(2, 4)],
+                  [_features(7, 2, 20), _features(8, 2), _features(8, 2, 2)])
+    assert sorted((i.field, i.index) for i in err.value.issues) == [("positions", 0), ("request_ids", 2)]
     with pytest.raises(ABIError) as err:
         d.draft([5], np.array([1]), np.array([0]))
     assert err.value.issues[0].code == "drafter.unknown_request" and err.value.issues[0].request == 5
