@@ -132,6 +132,10 @@ def test_a_config_without_a_drafter_is_refused():
         DrafterWeights.random(TINY)
     assert {i.field for i in err.value.issues} == {"dspark_block_size", "dspark_target_layers"}
     assert {i.code for i in err.value.issues} == {"drafter.config"}
+    bad_noise = TINY_DSPARK.model_copy(update={"dspark_noise_token_id": TINY_DSPARK.vocab_size})  # unvalidated copy
+    with pytest.raises(ABIError) as err:
+        DSparkDrafter.random(bad_noise, ModelWeights.random(bad_noise, 0))
+    assert [(i.code, i.field) for i in err.value.issues] == [("drafter.config", "dspark_noise_token_id")]
     hf = TINY_DSPARK.to_hf_config() | {"dspark_noise_token_id": TINY_DSPARK.vocab_size}
     with pytest.raises(ABIError) as err:
         ModelConfig.from_hf_config(hf)
