@@ -37,7 +37,7 @@ import numpy as np
 from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_kernels.model.block_weights import HcWeights
 from dspark_kernels.model.checkpoint_format import DraftLayout, QuantFormat, TensorFormat, draft_formats
-from dspark_kernels.model.shard_index import ShardIndex
+from dspark_kernels.model.shard_index import ShardIndex, StoredTensor
 from dspark_kernels.model.weight_specs import TensorSpec, WeightsError, weight_specs
 from dspark_kernels.model.weights import LayerWeights, ModelWeights, RandomSource
 
@@ -136,17 +136,22 @@ class DrafterRandomSource(RandomSource):
 
 class _Renamed(ShardIndex):
     """A :class:`ShardIndex` whose tensors are another's under the stage view's names (headers shared, nothing
-    read); every reader of the target's loader then works on it unchanged."""
+    read); every reader of the target's loader then works on it unchanged. The view's ``embed.weight`` and
+    ``head.weight`` are the target's, which the drafter never reads: when the shards do not hold them (the
+    drafter's shards alone), header-only stand-ins of their shape satisfy the view's validation."""
 
-    def __init__(self, shards: ShardIndex, stages: int):
+    def __init__(self, shards: ShardIndex, config: ModelConfig):
         self.unreadable = []
-        stored = shards._stored
+        stages = config.n_mtp_layers
         self._stored = {}
-        for name, st in stored.items():
+        for name, st in shards._stored.items():
             base = name.removesuffix(".scale")
             view = _view_name(base, stages)
             if view is not None:
                 self._stored[view + name[len(base):]] = st
+        shape = (config.vocab_size, config.hidden_size)
+        for name in ("embed.weight", "head.weight"):
+            self._stored.setdefault(name, StoredTensor(name, Path("(the target's, never read)"), "BF16", shape, 0, 0))
 
 
 @attrs.frozen(eq=False)
@@ -214,7 +219,7 @@ class DrafterWeights:
         own = extra_formats(config, QuantFormat(quantized=True))
         report = shards.validate(own)
         try:
-            stages = ModelWeights(stage_cfg, _Renamed(shards, config.n_mtp_layers), keep_layers=keep_layers)
+            stages = ModelWeights(stage_cfg, _Renamed(shards, config), keep_layers=keep_layers)
         except WeightsError as exc:
             issues = [attrs.evolve(i, field=checkpoint_name(i.field, config.n_mtp_layers)) for i in exc.issues]
             raise WeightsError(issues + list(report.issues), config_name=f"{config.name} drafter",

@@ -166,10 +166,12 @@ class _CheckpointValues:
 
 
 def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
-                     quant_format: QuantFormat | None = None) -> Path:
+                     quant_format: QuantFormat | None = None, drafter_only: bool = False) -> Path:
     """Write a checkpoint of ``config`` in the shipped format into ``folder`` (created; regular files overwritten).
     A DSpark config (a block size and target layers) also gets its drafter's ``mtp.*`` tensors, one shard per draft
-    stage after the layers' (:func:`~dspark_kernels.model.checkpoint_format.draft_formats`).
+    stage after the layers' (:func:`~dspark_kernels.model.checkpoint_format.draft_formats`); ``drafter_only``
+    writes only those (the drafter's shards of a target checkpoint written before: pass both folders' shard files
+    to the loaders).
 
     Every target is checked before the first byte is written (:func:`dspark_abi.io.safe_write.check_target`:
     a directory, device, FIFO or socket in the folder's place of a file raises ``WriteTargetError``).
@@ -182,10 +184,14 @@ def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     draft = draft_layout(config) if has_drafter(config) else None
+    if drafter_only and draft is None:
+        raise ValueError(f"{config.name} has no DSpark drafter to write")
     formats = model_formats(config, q, draft)
     source = _CheckpointValues(config, seed)
-    groups: list[list[TensorFormat]] = [[f for n, f in formats.items() if not n.startswith(("layers.", "mtp."))]]
-    groups += [[f for n, f in formats.items() if n.startswith(f"layers.{i}.")] for i in range(config.num_layers)]
+    groups: list[list[TensorFormat]] = []
+    if not drafter_only:
+        groups.append([f for n, f in formats.items() if not n.startswith(("layers.", "mtp."))])
+        groups += [[f for n, f in formats.items() if n.startswith(f"layers.{i}.")] for i in range(config.num_layers)]
     if draft is not None:
         groups += [[f for n, f in formats.items() if n.startswith(f"mtp.{s}.")] for s in range(draft.stages)]
     total = len(groups)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,11 @@ from dspark_kernels.model import quant
 from dspark_kernels.model.block_weights import ExpertStack
 from dspark_kernels.model.drafter_weights import DrafterWeights, stage_config
 from dspark_kernels.model.shard_index import ShardIndex
-from dspark_kernels.model.synthetic import short_schedule, write_checkpoint
+from dspark_kernels.model.synthetic import write_checkpoint
 from dspark_kernels.model.weight_specs import WeightsError
 from dspark_kernels.model.weights import ModelWeights
+
+from .conftest import FLASH_3L
 
 C = TINY_DSPARK
 FEATURES = len(C.dspark_target_layers) * C.hidden_size
@@ -119,25 +122,31 @@ def test_ring_bytes_are_what_the_drafter_allocates():
 
 
 # ---------------------------------------------------------------------------------------------- FLASH, slow
-#: One SWA target layer (the drafter's target) at FLASH dimensions plus FLASH-DSpark's three draft stages: ~16 GB
-#: on disk, about a minute to write. The goal is the target's (tests/model/test_flash_checkpoint.py).
-FLASH_1L = short_schedule(FLASH_DSPARK, ratios=(0,), hash_layers=0, name="flash-dspark-1l")
+#: The session's FLASH_3L target checkpoint (tests/model/conftest.py) with FLASH-DSpark's drafter keys: its target
+#: layers 1 and 2 feed three FLASH-dimension draft stages, written beside it (~10.5 GB, removed after the test).
+FLASH_3L_DSPARK = FLASH_3L.model_copy(update={"name": "flash-3l-dspark", "dspark_block_size": 5,
+                                              "dspark_noise_token_id": 128799})
+#: The target's goal for a FLASH-dimension run (tests/model/test_flash_checkpoint.py).
 PEAK_RSS_GOAL = 12 * 2**30
 
 _FLASH_DRAFT = """
 import json, sys, time
+from pathlib import Path
 import numpy as np
 from dspark_kernels import memory
 from dspark_kernels.drafter import DSparkDrafter
-from dspark_kernels.model.synthetic import short_schedule
+from dspark_kernels.model.drafter_weights import DrafterWeights
 from dspark_kernels.model.weights import ModelWeights
-from dspark_abi.presets import FLASH_DSPARK
-config = short_schedule(FLASH_DSPARK, ratios=(0,), hash_layers=0, name="flash-dspark-1l")
-root = sys.argv[1]
+
+from .conftest import FLASH_3L
+from dspark_abi import ModelConfig
+config = ModelConfig.model_validate_json(sys.argv[3])
+target_root, drafter_root = Path(sys.argv[1]), Path(sys.argv[2])
 t0 = time.time()
-target = ModelWeights.from_safetensors(root, config)
-drafter = DSparkDrafter.from_checkpoint(root, config, target)
-features = np.random.default_rng(0).standard_normal((6, config.hidden_size)).astype(np.float32)
+target = ModelWeights.from_safetensors(target_root, config)
+drafter = DSparkDrafter(config, DrafterWeights.from_safetensors(sorted(drafter_root.glob("*.safetensors")), config),
+                        target)
+features = np.random.default_rng(0).standard_normal((6, 2 * config.hidden_size)).astype(np.float32)
 drafter.observe([0], [np.arange(6)], [features])
 out = drafter.draft([0], np.array([11]), np.array([6]))
 print(json.dumps({"peak": memory.peak_rss_bytes(), "seconds": time.time() - t0, "tokens": out.tokens.tolist(),
@@ -146,11 +155,15 @@ print(json.dumps({"peak": memory.peak_rss_bytes(), "seconds": time.time() - t0, 
 
 
 @pytest.mark.slow
-def test_a_flash_dimension_drafter_streams_within_the_targets_memory(tmp_path: Path):
-    root = write_checkpoint(tmp_path / FLASH_1L.name, FLASH_1L, seed=0)
-    env = os.environ | {"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-c", _FLASH_DRAFT, str(root)], capture_output=True, text=True,
-                          timeout=3600, env=env, check=False)
+def test_a_flash_dimension_drafter_streams_within_the_targets_memory(flash_checkpoint: Path, tmp_path: Path):
+    root = write_checkpoint(tmp_path / "drafter", FLASH_3L_DSPARK, seed=0, drafter_only=True)
+    try:
+        env = os.environ | {"OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")}
+        proc = subprocess.run([sys.executable, "-c", _FLASH_DRAFT, str(flash_checkpoint), str(root),
+                               FLASH_3L_DSPARK.model_dump_json()], capture_output=True, text=True, timeout=3600,
+                              env=env, check=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     print(f"FLASH drafter observe(6) + draft(1 request): peak RSS {out['peak'] / 2**30:.2f} GiB, "
@@ -158,3 +171,13 @@ def test_a_flash_dimension_drafter_streams_within_the_targets_memory(tmp_path: P
     # measured (2-core VM): 3.9 GiB peak (the target's fp32 LM head is 2 GiB of it; the target's own 4-token
     # prefill peaks at 3.0 GiB), 41 s for loading, observe and one draft
     assert out["finite"] and out["peak"] <= PEAK_RSS_GOAL
+
+
+def test_drafter_shards_written_alone_equal_those_of_the_whole_checkpoint(checkpoint: Path, tmp_path: Path):
+    alone = write_checkpoint(tmp_path / "drafter", C, seed=0, drafter_only=True)
+    shards = sorted(alone.glob("*.safetensors"))
+    assert len(shards) == C.n_mtp_layers and not any(n.startswith("layers.") for n in ShardIndex(shards).names)
+    a, b = DrafterWeights.from_safetensors(shards, C), DrafterWeights.from_safetensors(checkpoint, C)
+    np.testing.assert_array_equal(a.main_proj, b.main_proj)
+    np.testing.assert_array_equal(a.stage(2).attn.wo_b, b.stage(2).attn.wo_b)
+    np.testing.assert_array_equal(a.stage(0).moe.w2[1], b.stage(0).moe.w2[1])
