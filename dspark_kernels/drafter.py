@@ -16,6 +16,9 @@ stages, B = ``dspark_block_size``, D hidden, T target layers, W window, r Markov
    markov_w1[previous]`` (previous = the anchor for row 0, else the previous row's choice) and takes the argmax
    (first maximum): drafts d_1 .. d_B. ``confidence = proj([h ; markov_w1[previous]])``, a raw fp32 logit per row.
 
+The choice is greedy (the first maximum): DeepSeek's ``forward_head`` samples each row with its temperature
+(Gumbel-max), of which greedy is the temperature-0 case, the one a verify step's greedy acceptance checks.
+
 All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
 rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
 LM head is split by vocabulary (the target's TP, docs/architecture.md); keys, rings and hyper-connections are
@@ -37,6 +40,7 @@ from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.backends import Backend, default_backend
 from dspark_kernels.model.drafter_cache import DrafterRings
 from dspark_kernels.model.drafter_weights import DrafterWeights, drafter_issues, stage_config
+from dspark_kernels.model.forward import TargetReduction
 from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
 from dspark_kernels.model.numerics import Precision, bf16_round, check_precision, linear, narrow, rms_norm
 from dspark_kernels.model.prepared import PreparedWeightsCache
@@ -105,6 +109,10 @@ class DSparkDrafter:
     processes, each holding its own drafter and calling the same methods with the same arguments, all-gathers
     through the process group). Every rank holds replicated rings.
     """
+
+    #: The target-feature reduction the drafter was trained on (DeepSeek's ``h.mean(dim=2)``): what
+    #: :func:`~dspark_kernels.model.forward.target_features` computes by default and ``observe`` expects.
+    reduction: TargetReduction = "mean"
 
     def __init__(self, config: ModelConfig, weights: DrafterWeights, target: ModelWeights, *,
                  precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
