@@ -191,19 +191,23 @@ class DSparkDrafter:
             issues += self.rings.gap_issues(request_ids, pos)
         if issues:
             raise ABIError(issues)
-        slots = self.rings.admit(request_ids)
-        ends = np.array([int(p[-1]) if p.size else int(self.rings.last[s]) for p, s in zip(pos, slots, strict=True)])
+        known = self.rings.slot_of
+        before = [int(self.rings.last[known[int(r)]]) if int(r) in known else -1 for r in request_ids]
+        ends = np.array([int(p[-1]) if p.size else b for p, b in zip(pos, before, strict=True)], dtype=np.int64)
         # only each request's last W rows can stay in the ring: the others are never computed
         keep = [p >= e - self.rings.window + 1 for p, e in zip(pos, ends, strict=True)]
         kept_pos = np.concatenate([p[k] for p, k in zip(pos, keep, strict=True)])
-        if kept_pos.size:
+        keys = []
+        if kept_pos.size:   # every stage's keys before anything is written: a failed read leaves the rings as they were
             x = self.main_x(np.concatenate([f[k] for f, k in zip(feats, keep, strict=True)]))   # (N, D)
-            row_slots = np.repeat(slots, [int(k.sum()) for k in keep])
             cos, sin = rope_at(c, "swa", kept_pos, self.precision)
             for s in range(c.n_mtp_layers):
                 w = self._prepared.get(self.weights.stage(s).attn, self.precision)
-                keys = context_keys(x, w, cos, sin, c.rms_norm_eps, self.precision)
-                self.rings.write(s, row_slots, kept_pos, keys)
+                keys.append(context_keys(x, w, cos, sin, c.rms_norm_eps, self.precision))     # (N, hd)
+        slots = self.rings.admit(request_ids)
+        row_slots = np.repeat(slots, [int(k.sum()) for k in keep])
+        for s, stage_keys in enumerate(keys):
+            self.rings.write(s, row_slots, kept_pos, stage_keys)
         self.rings.advance(slots, ends)
 
     def release(self, request_ids: Sequence[int]) -> None:

@@ -455,3 +455,22 @@ def test_a_whole_draft_against_float64_deepseek():
         conf[:, i] = np.concatenate([h.reshape(len(ids), B, -1)[:, i], emb], -1) @ w.confidence[0].astype(np.float64)
     np.testing.assert_array_equal(got.tokens, tokens)
     assert_close(got.confidence, conf, order_atol(conf, K_DRAFT, 4), "confidence")
+
+
+def test_a_failed_weight_read_during_observe_changes_nothing(monkeypatch: pytest.MonkeyPatch):
+    d = _drafter()
+    _observe(d, {7: 20})
+    before = d.rings.rings.copy(), d.rings.last.copy(), dict(d.rings.slot_of)
+    read = d.weights.stages.layer
+
+    def failing(s: int):
+        if s == C.n_mtp_layers - 1:
+            raise OSError("shard unreadable")
+        return read(s)
+
+    monkeypatch.setattr(d.weights.stages, "layer", failing)
+    with pytest.raises(OSError):
+        d.observe([7, 8], [np.arange(20, 23), np.arange(4)], [_features(7, 3, 20), _features(8, 4)])
+    np.testing.assert_array_equal(d.rings.rings, before[0])
+    np.testing.assert_array_equal(d.rings.last, before[1])
+    assert d.rings.slot_of == before[2]
