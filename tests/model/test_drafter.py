@@ -332,8 +332,8 @@ import torch.multiprocessing as mp
 def rank_main(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        sys.path.insert(0, "tests/model")
-        from test_drafter import _drafter, _draft, _observe, LENGTHS
+        sys.path.insert(0, "tests")
+        from model.test_drafter import _drafter, _draft, _observe, LENGTHS   # the package pytest imports
         d = _drafter(tp=2, tp_mode="distributed")
         _observe(d, LENGTHS)
         out = _draft(d, LENGTHS)
