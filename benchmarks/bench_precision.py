@@ -49,11 +49,12 @@ from dspark_kernels.model import deepseek_numerics
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import PRECISIONS, check_precision, narrow
+from dspark_kernels.model.plan import IndexKeyPools
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.model.synthetic import write_checkpoint
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.reference.indexer import index_query, lightning_topk
+from dspark_kernels.reference.indexer import IndexCandidates, index_query, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query
 
 PAIRS = list(itertools.combinations(PRECISIONS, 2))     # (fp32, a2a3), (fp32, deepseek), (a2a3, deepseek)
@@ -109,8 +110,9 @@ def topk_sets(batch: PackedBatch, layer: int, x: np.ndarray, weights: AttentionW
     cos, sin = rope_at(cfg, "csa", pos, prec)
     iq = index_query(low_rank_query(xn, w, cfg.rms_norm_eps, prec), xn, w, cos, sin, cfg.index_n_heads,
                      cfg.index_weight_scale, prec)
-    return lightning_topk(iq, pos, batch.row_request, batch.tables["idx"], caches.pool("idx"),
-                          caches.pool("idx_scale"), topk=cfg.index_topk, precision=prec)
+    return lightning_topk(iq, batch.row_request, IndexKeyPools(caches.pool("idx"), caches.pool("idx_scale")),
+                          IndexCandidates.lookup(pos, batch.row_request, batch.tables["idx"]), topk=cfg.index_topk,
+                          precision=prec)
 
 
 def attention_figures(config: ModelConfig, layer: int, requests: dict[int, int], seed: int = 0) -> dict:

@@ -27,7 +27,7 @@ from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_abi.presets import DEMO, TINY
 from dspark_kernels.model.caches import ModelCaches
-from dspark_kernels.model.forward import run_forward
+from dspark_kernels.model.forward import ForwardOptions, run_forward
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 
@@ -55,7 +55,7 @@ def _time_calls(config: ModelConfig, weights: ModelWeights, calls: Sequence[Sequ
         batches.append(bb.build())
     start = time.perf_counter()
     for b in batches:
-        run_forward(b, b.token_ids, weights, caches, precision=precision, prepared=prepared)
+        run_forward(b, b.token_ids, weights, caches, ForwardOptions(precision=precision, prepared=prepared))
     return time.perf_counter() - start
 
 

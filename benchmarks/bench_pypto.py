@@ -306,16 +306,17 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
         ratio, columns = (INDEX_RATIO, INDEX_CANDIDATES) if stage == "idx_candidates" else (128, HCA_ENTRIES)
         return run_entry_rows(q_pos, q_req, table, None, ring=layout.is_ring, ratio=ratio, columns=columns).cycles
     if stage == "indexer":
-        from dspark_kernels.pypto.indexer import run_indexer
+        from dspark_kernels.model.plan import IndexKeyPools, RopeRows
+        from dspark_kernels.pypto.indexer import IndexerWeights, run_indexer
 
         hi, di, k = c.index_n_heads, c.index_head_dim, c.index_topk
         cand = np.tile(np.arange(INDEX_CANDIDATES, dtype=np.int32), (local, 1))
-        return run_indexer(np.zeros((local, q), np.int8), np.ones((local, 1), np.float32),
-                           np.zeros((hi * di, q), np.int8), np.ones(hi * di, np.float32), np.zeros((local, x), bf),
-                           np.zeros((hi, x), bf), np.ones((local, rd // 2), bf), np.zeros((local, rd // 2), bf),
-                           np.zeros((di, di), bf), np.zeros((INDEX_CANDIDATES, di), np.int8),
-                           np.ones(INDEX_CANDIDATES, np.float32), cand, heads=hi, topk=k,
-                           weight_scale=c.index_weight_scale).cycles
+        weights = IndexerWeights(np.zeros((hi * di, q), np.int8), np.ones(hi * di, np.float32), np.zeros((hi, x), bf),
+                                 np.zeros((di, di), bf), hi, c.index_weight_scale)
+        return run_indexer((np.zeros((local, q), np.int8), np.ones((local, 1), np.float32)), np.zeros((local, x), bf),
+                           weights, RopeRows(np.ones((local, rd // 2), bf), np.zeros((local, rd // 2), bf)),
+                           IndexKeyPools(np.zeros((INDEX_CANDIDATES, di), np.int8),
+                                         np.ones(INDEX_CANDIDATES, np.float32)), cand, topk=k).cycles
     if stage.startswith("sparse_attn_"):
         from dspark_kernels.pypto.sparse_attention import run_sparse_attention
 

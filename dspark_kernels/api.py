@@ -16,7 +16,7 @@ from dspark_abi import ABIError, Issue, PackedBatch
 from dspark_abi.rules import padding_hidden_issues, padding_token_issues
 from dspark_kernels.model.backends import BACKENDS, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
-from dspark_kernels.model.forward import ForwardResult, run_forward
+from dspark_kernels.model.forward import ForwardOptions, ForwardResult, run_forward
 from dspark_kernels.model.numerics import PRECISIONS
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
@@ -126,9 +126,9 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
         raise ABIError(issues)
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
-        result: ForwardResult = run_forward(batch, inputs, weights, caches, precision=precision, layers=run,
-                                            logit_rows=logit_rows, on_layer=on_layer, backend=resolved,
-                                            prepared=prepared, caches_checked=True)
+        options = ForwardOptions(precision=precision, layers=run, logit_rows=logit_rows, backend=resolved,
+                                 prepared=prepared, on_layer=on_layer, caches_checked=True)
+        result: ForwardResult = run_forward(batch, inputs, weights, caches, options)
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise

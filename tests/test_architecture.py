@@ -206,7 +206,8 @@ def test_a_forward_builds_one_plan_and_prepares_each_layer_once(monkeypatch):
     cache = prepared.PreparedWeightsCache()
     for _ in range(2):
         tokens = np.zeros(batch.padded_rows, np.int64)
-        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks), prepared=cache)
+        forward.run_forward(batch, tokens, weights, ModelCaches.allocate(TINY, batch.pool_blocks),
+                            forward.ForwardOptions(prepared=cache))
     assert len(plans) == 2 and prepares == list(range(TINY.num_layers))  # the caller's cache is reused
 
 
@@ -235,6 +236,38 @@ def test_plan_lookups_are_the_stage_lookups(tp):
                                         pools[pool].page_size)
             np.testing.assert_array_equal(plan.state_windows[pool].boundaries, b)
             np.testing.assert_array_equal(plan.state_windows[pool].rows, rows)
+
+
+def test_kernels_read_block_tables_through_the_plan():
+    """Every kernel table lookup is ``plan.tables[pool][plan.table_row[rows], column]``: no module reads a batch's
+    ``.tables`` but the plan that copies them (and the pypto backend's index-range pre-check of a batch)."""
+    readers = set()
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "tables" and "batch" in ast.unparse(node.value):
+                readers.add(str(path.relative_to(PACKAGE)))
+    assert readers == {"model/plan.py", "pypto/backend.py"}
+
+
+#: Stage entry points whose arguments are grouped into value objects (the plan's CompressorState, IndexKeyPools,
+#: RopeRows; IndexerWeights; ForwardOptions / RankContext), and the parameters each had before.
+GROUPED = {("reference/compressor.py", "compress"): 14, ("reference/compressor.py", "compress_index_keys"): 15,
+           ("pypto/compressor.py", "compress_into"): 14, ("pypto/indexer.py", "run_indexer"): 16,
+           ("reference/indexer.py", "lightning_topk"): 10, ("model/forward.py", "run_forward"): 14}
+
+
+def test_stage_entry_points_take_value_objects_not_long_parameter_lists():
+    """No more than 9 parameters (``**deprecated`` of run_forward's earlier keywords counts as one)."""
+    counts = {}
+    for path, tree in _sources():
+        for node in tree.body:
+            key = (str(path.relative_to(PACKAGE)), getattr(node, "name", ""))
+            if isinstance(node, ast.FunctionDef) and key in GROUPED:
+                a = node.args
+                extra = (a.vararg is not None) + (a.kwarg is not None)
+                counts[key] = len(a.posonlyargs + a.args + a.kwonlyargs) + extra
+    assert counts.keys() == GROUPED.keys()
+    assert all(n <= 9 for n in counts.values()), counts
 
 
 def test_no_kernel_module_keys_state_by_object_identity():

@@ -40,6 +40,7 @@ from dspark_abi.cli.files import add_file_commands, print_result
 from dspark_abi.config import ModelConfig
 from dspark_abi.conformance.runner import inspect_file
 from dspark_abi.errors import Issue
+from dspark_abi.fields import FIELDS
 from dspark_abi.io import fixtures, safe_write
 from dspark_abi.io.fixtures import FixtureFile
 from dspark_abi.layout import POOL_NAMES
@@ -90,8 +91,6 @@ def _pages_needed(config: ModelConfig, new: int, cached: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- layout views
-#: Shape-level issues on these fields leave no geometry to draw (row ownership, positions, slots).
-_LAYOUT_FIELDS = frozenset({"query_start_loc", "positions", "request_ids", *SLOT_FIELDS.values()})
 _NO_GEOMETRY = frozenset({"array.missing", "array.dtype", "array.shape", "geometry.rows", "qsl.shape", "qsl.start",
                           "qsl.non_monotonic", "qsl.token_count"})
 
@@ -144,6 +143,11 @@ class Layout(BatchGeometry):
                 "rows": layout_rows(self)}
 
 
+#: The ABI fields a :class:`Layout` draws (declared in :mod:`dspark_abi.fields`, named as its attributes or their
+#: per-pool family): shape-level issues on them leave no geometry to draw (row ownership, positions, slots).
+_LAYOUT_FIELDS = frozenset(f.name for f in FIELDS if {f.name, f.family} & set(attrs.fields_dict(Layout)))
+
+
 def _layout(batch: PackedBatch | Layout) -> Layout:
     return batch if isinstance(batch, Layout) else Layout.of_batch(batch)
 
@@ -188,8 +192,8 @@ def render_json(batch: PackedBatch | Layout) -> str:
     return json.dumps(_layout(batch).to_dict(), indent=2)
 
 
-#: Fields whose issue index is a group row (the picture marks that row's cell).
-_ROW_FIELDS = frozenset({"positions", "token_ids", "hidden", *SLOT_FIELDS.values()})
+#: Fields whose issue index is a group row, their first axis P (the picture marks that row's cell).
+_ROW_FIELDS = frozenset(f.name for f in FIELDS if f.shape[:1] == ("P",))
 #: Color of everything that marks an invalid batch in the picture.
 INVALID_COLOR = "#d00000"
 

@@ -5,7 +5,7 @@ slots agree with tables, writes are unique and in bounds, reads are mapped, stat
 What remains is that x, the weights and the caches belong to that batch, config and layer
 (:func:`check_attention_inputs`, run by ``attention`` and ``attention_pypto``; a forward checks the same facts
 for all its layers at once), and that a ratio-128 window a compressor pools is fully mapped
-(:func:`coverage_issues`, for compressor calls on bare arrays).
+(:func:`coverage_issues`, run by both backends' compressors before they write).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from dspark_abi import ABIError, Issue, PackedBatch
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches, pool_array_issues
-from dspark_kernels.model.geometry import OVERLAP_RATIO, window_state_rows
+from dspark_kernels.model.geometry import OVERLAP_RATIO
 
 
 def check_attention_inputs(batch: Any, layer: Any, x: Any, weights: Any, caches: Any, rank: Any,
@@ -34,9 +34,7 @@ def check_attention_inputs(batch: Any, layer: Any, x: Any, weights: Any, caches:
     if not isinstance(layer, int | np.integer) or not 0 <= layer < config.num_layers:
         raise ABIError([Issue("config.mismatch", "layer", f"{config.name} has {config.num_layers} layers",
                               expected=f"0 <= layer < {config.num_layers}", actual=repr(layer))])
-    if rank is not None and (not isinstance(rank, int | np.integer) or not 0 <= rank < batch.tp_size):
-        issues.append(Issue("rank.index", "rank", f"rank {rank!r} does not exist in a TP-{batch.tp_size} group",
-                            expected=f"None or 0 <= rank < {batch.tp_size}", actual=repr(rank)))
+    issues += batch.policy.rank_issues(rank, whole_group=True)  # the one statement of the rank bounds
     rows = batch.padded_rows
     if not isinstance(x, np.ndarray) or x.dtype != np.float32:
         issues.append(Issue("array.dtype", "x", "hidden rows must be a float32 numpy array", expected="float32",
@@ -82,13 +80,3 @@ def coverage_issues(positions: np.ndarray, request: np.ndarray, boundaries: np.n
                   f"{int(positions[t])}) has unmapped state rows", index=t, request=int(request[t]),
                   expected="every window position mapped", actual=int((state_rows[bad[0]] < 0).sum()),
                   count=int(bad.size))]
-
-
-def check_window_coverage(positions: np.ndarray, request: np.ndarray, state_table: np.ndarray, ratio: int,
-                          page_size: int, field: str, boundaries: np.ndarray | None = None) -> list[Issue]:
-    """:func:`coverage_issues` of the windows the boundary rows pool (their state rows looked up here; a
-    plan's ``boundaries`` when given, else derived)."""
-    if ratio == OVERLAP_RATIO:
-        return []
-    b, rows = window_state_rows(positions, request, state_table, ratio, page_size, boundaries)
-    return coverage_issues(positions, np.asarray(request), b, rows, ratio, field)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import attrs
 import numpy as np
@@ -81,40 +81,70 @@ def target_features(x_hc: np.ndarray, head: HeadWeights, config: ModelConfig, *,
     return chosen.stream_mean(x_hc, precision=precision)
 
 
-def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
-                precision: str = "fp32", layers: Sequence[int] | None = None,
-                logit_rows: Sequence[int] | np.ndarray | None = None, rank: int | None = None,
-                all_gather: AllGather | None = None, backend: Backend | None = None,
-                prepared: PreparedWeightsCache | None = None,
-                on_layer: Callable[[int, int], None] | None = None, attention: Backend | None = None,
-                caches_checked: bool = False) -> ForwardResult:
-    """Run ``layers`` (default: every layer of the config, in order) and the head.
+@attrs.frozen
+class RankContext:
+    """One rank's view of a TP group: ``rank`` (None = the whole group: every row) and ``all_gather``, the
+    collective that joins the ranks' rows (:data:`~dspark_kernels.model.layer.AllGather`; needed by a rank of a
+    group of more than one). The rank bounds are the batch's :meth:`~dspark_abi.PaddingPolicy.rank_issues`."""
+
+    rank: int | None = None
+    all_gather: AllGather | None = None
+
+
+#: The whole TP group in one call (no rank view).
+WHOLE_GROUP = RankContext()
+
+
+@attrs.frozen(eq=False)
+class ForwardOptions:
+    """What a forward runs and how (every field optional).
+
+    precision: ``"fp32"``, ``"a2a3"`` or ``"deepseek"`` (:mod:`dspark_kernels.model.numerics`). layers: the layer
+    indices to run, in order (default every layer of the config). logit_rows: [M] group rows in [0, N) or -1
+    (default ``batch.logit_rows``; none if that is None). backend: the
+    :class:`~dspark_kernels.model.backends.Backend` whose stages run every layer and the head (default the
+    registry's reference). prepared: the caller's cache of prepared attention weights, to reuse them across calls
+    (default: one for this call, kept only if the weights keep their layers). on_layer(done, total): called after
+    each layer. caches_checked: the caller already raised on ``caches.issues_for(batch, precision, layers)`` (a
+    prefill checks the caches before it snapshots them; the check runs once).
+    """
+
+    precision: str = "fp32"
+    layers: Sequence[int] | None = None
+    logit_rows: Sequence[int] | np.ndarray | None = None
+    backend: Backend | None = None
+    prepared: PreparedWeightsCache | None = None
+    on_layer: Callable[[int, int], None] | None = None
+    caches_checked: bool = False
+
+
+def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches,
+                options: ForwardOptions | None = None, *, tp: RankContext = WHOLE_GROUP,
+                **deprecated: Any) -> ForwardResult:
+    """Run ``options.layers`` (default: every layer of the config, in order) and the head.
 
     hidden_or_token_ids: [P] int token ids (embedded; padding rows zeroed), or [P, hc, D] / [P, D] fp32 hidden
     rows (a [P, D] input is copied to every stream); padding rows must be zero (not checked here).
     Token ids for hash layers come from an int input, else from ``batch.token_ids``.
-    logit_rows: [M] group rows in [0, N) or -1; default ``batch.logit_rows`` (none if that is None).
-    rank / all_gather: one rank's view of a TP group (see :func:`dspark_kernels.model.layer.run_layer`); the LM head is
-    then split by vocabulary and its shards gathered too. on_layer(done, total) is called after each layer.
-    backend: the :class:`~dspark_kernels.model.backends.Backend` whose stages run every layer and the head (default
-    the registry's reference; ``attention=`` is its deprecated name). prepared: the caller's cache of prepared
-    attention weights, to reuse them across calls (default: one for this call, kept only if ``weights`` keep their
-    layers).
-    caches_checked: the caller already raised on ``caches.issues_for(batch, precision, layers)`` (a prefill checks
-    the caches before it snapshots them; the check runs once).
+    options: :class:`ForwardOptions` (default all defaults). tp: one rank's view of a TP group
+    (:class:`RankContext`; see :func:`dspark_kernels.model.layer.run_layer`); the LM head is then split by
+    vocabulary and its shards gathered too. The keywords of earlier versions (``precision=``, ``layers=``,
+    ``logit_rows=``, ``backend=``, ``prepared=``, ``on_layer=``, ``caches_checked=``, ``rank=``, ``all_gather=``,
+    ``attention=``) still work for one minor version, with a DeprecationWarning.
     Caches are written in place. Raises :class:`ABIError` (nothing touched) when anything does not fit.
     """
-    prec = check_precision(precision)
-    if attention is not None:
-        warnings.warn("run_forward(attention=...) is deprecated: pass backend=", DeprecationWarning, stacklevel=2)
-        backend = attention if backend is None else backend
+    if deprecated:
+        options, tp = _from_keywords(options, tp, deprecated)
+    opts = ForwardOptions() if options is None else options
+    prec = check_precision(opts.precision)
+    rank, all_gather, backend = tp.rank, tp.all_gather, opts.backend
     cfg = batch.config
-    run = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
-    wanted = batch.logit_rows if logit_rows is None else logit_rows
+    run = list(range(cfg.num_layers)) if opts.layers is None else [int(i) for i in opts.layers]
+    wanted = batch.logit_rows if opts.logit_rows is None else opts.logit_rows
     rows = np.zeros(0, np.int64) if wanted is None else np.asarray(wanted, dtype=np.int64).reshape(-1)
     inputs = np.asarray(hidden_or_token_ids)
     token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else batch.token_ids
-    _check(batch, inputs, token_ids, weights, caches, prec, run, rows, rank, all_gather, caches_checked)
+    _check(batch, inputs, token_ids, weights, caches, prec, run, rows, tp, opts.caches_checked)
     targets = {layer: k for k, layer in enumerate(cfg.dspark_target_layers)}   # layer -> feature slot
     d = cfg.hidden_size
     if batch.num_tokens == 0:   # an inactive group (PaddingPolicy.allow_inactive): no row, nothing written
@@ -125,7 +155,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
                              target_hidden_hc_head=np.zeros((0, len(targets) * d), np.float32) if targets else None)
     plan = BatchPlan.build(batch, rank=rank, precision=prec)
     stages = default_backend(backend)  # the registry's reference when no backend is given
-    cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
+    cache = PreparedWeightsCache(keep=weights.keep_layers) if opts.prepared is None else opts.prepared
 
     if inputs.dtype.kind in "iu":
         x_hc = np.repeat(weights.embed_rows(inputs)[:, None, :], cfg.hc_mult, axis=1)
@@ -145,14 +175,13 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
             features[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec, stages=stages)
             features_hc_head[:, k * d:(k + 1) * d] = target_features(x_hc, head, cfg, precision=prec, stages=stages,
                                                                      reduction="hc_head")
-        if on_layer is not None:
-            on_layer(done, len(run))
+        if opts.on_layer is not None:
+            opts.on_layer(done, len(run))
 
     hidden = stages.final_hidden(x_hc, head, cfg, precision=prec)
-    if plan.rank is None or batch.tp_size == 1:
+    if plan.rank is None or batch.tp_size == 1 or all_gather is None:  # _check: a rank of a group has a gather
         logits = stages.logits_for_rows(hidden, rows, head.head)
     else:  # vocabulary shards, padded to equal width with -inf, gathered along the vocabulary
-        assert all_gather is not None  # _check: a rank view of a TP group has one
         width = vocab_shard_width(cfg.vocab_size, batch.tp_size)
         shard = np.full((rows.size, width), -np.inf, dtype=np.float32)
         part = stages.logits_for_rows(hidden, rows, head.head[vocab_shard(cfg.vocab_size, batch.tp_size, plan.rank)])
@@ -163,9 +192,26 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
                          target_hidden_hc_head=features_hc_head)
 
 
+def _from_keywords(options: ForwardOptions | None, tp: RankContext, keywords: dict[str, Any]
+                   ) -> tuple[ForwardOptions, RankContext]:
+    """The options and rank context of :func:`run_forward`'s deprecated keywords (one minor version)."""
+    fields = {f.name for f in attrs.fields(ForwardOptions)}
+    unknown = sorted(set(keywords) - fields - {"rank", "all_gather", "attention"})
+    if unknown:
+        raise TypeError(f"run_forward() got an unexpected keyword argument {unknown[0]!r}")
+    if options is not None or tp is not WHOLE_GROUP:
+        raise TypeError("run_forward(): pass either ForwardOptions / RankContext or the deprecated keywords")
+    warnings.warn(f"run_forward({', '.join(f'{k}=' for k in sorted(keywords))}) is deprecated: pass "
+                  "ForwardOptions(...) and tp=RankContext(rank, all_gather)", DeprecationWarning, stacklevel=3)
+    chosen = {k: v for k, v in keywords.items() if k in fields}
+    if keywords.get("attention") is not None and chosen.get("backend") is None:  # the backend's older name
+        chosen["backend"] = keywords["attention"]
+    return ForwardOptions(**chosen), RankContext(keywords.get("rank"), keywords.get("all_gather"))
+
+
 def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,
-           caches: ModelCaches, precision: str, run: list[int], rows: np.ndarray, rank: int | None,
-           all_gather: AllGather | None, caches_checked: bool) -> None:
+           caches: ModelCaches, precision: str, run: list[int], rows: np.ndarray, tp: RankContext,
+           caches_checked: bool) -> None:
     cfg, p = batch.config, batch.padded_rows
     issues: list[Issue] = []
     if weights.config != cfg:
@@ -200,12 +246,10 @@ def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None,
     if rows.size and (rows.min() < -1 or rows.max() >= batch.num_tokens):
         issues.append(Issue("logits.range", "logit_rows", "logit rows must be live rows or -1",
                             expected=f"-1 or [0, {batch.num_tokens})", actual=rows.tolist()))
-    if rank is not None:
-        if not 0 <= rank < batch.tp_size:
-            issues.append(Issue("rank.index", "rank", f"rank outside the TP-{batch.tp_size} group",
-                                expected=f"[0, {batch.tp_size})", actual=rank))
-        elif batch.tp_size > 1 and all_gather is None:
-            issues.append(Issue("rank.index", "all_gather", "a rank view of a TP group needs an all_gather",
-                                expected="a collective", actual=None))
+    rank_issues = batch.policy.rank_issues(tp.rank, whole_group=True)
+    issues += rank_issues
+    if tp.rank is not None and not rank_issues and batch.tp_size > 1 and tp.all_gather is None:
+        issues.append(Issue("rank.index", "all_gather", "a rank view of a TP group needs an all_gather",
+                            expected="a collective", actual=None))
     if issues:
         raise ABIError(issues)

@@ -10,6 +10,12 @@ field                   what, and where it comes from
 ``row_start/row_stop``  the query rows: ``[0, P)``, or the rank's ``[r*L, (r+1)*L)``
 ``positions``           [P] int64 positions of all group rows (the KV side covers them all)
 ``request``             [P] int32 ``batch.row_request``: the ABI's one row-ownership array, shared, not recomputed
+``tables[pool]``        [R_t, W_t] int32 block table of each pool the kernels read (default ``batch.tables``; a
+                        serving loop may hand its persistent tables: one row per request slot, any width)
+``table_row``           [P] int32 row of ``tables[pool]`` each group row reads (default ``request``; the request's
+                        slot with persistent tables); -1 on padding rows. Every kernel table lookup is
+                        ``tables[pool][table_row[rows], column]``, column from the table's own width
+                        (:func:`dspark_abi.layout.table_column`): no kernel assumes ``R_t == R`` or a width
 ``run_*``               the group rows ``[qsl[r], qsl[r+1])`` of every non-empty request: ``batch.requests.runs()``
                         (:meth:`runs_in` clips them to a row range)
 ``boundaries[m]``       [B] int64 live rows that close a ratio-m window, m = 4 and 128 (they write entry
@@ -37,10 +43,12 @@ to its kernel processes).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, ModelConfig, PackedBatch
+from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
 from dspark_abi.config import LayerKind
 from dspark_abi.layout import physical_rows, visible_entries
 from dspark_kernels.model.geometry import (
@@ -61,11 +69,12 @@ def compress_ratios(config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted({pl.ratio for pl in config.layout if pl.ratio}))
 
 
-def window_key_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.ndarray, window: int,
+def window_key_rows(positions: np.ndarray, table_row: np.ndarray, ori_table: np.ndarray, window: int,
                     page_size: int) -> np.ndarray:
     """[T, W] int64 physical ``ori`` rows of every query's sliding window, oldest first (the ori pool is a ring).
 
-    positions, request: [T] int (-1 = padding row); ori_table [R, width] int32. With ``v = min(W, p + 1)``,
+    positions, table_row: [T] int (table_row: the ``ori_table`` row each query reads, -1 = padding row);
+    ori_table [R_t, width] int32. With ``v = min(W, p + 1)``,
     column k < v holds the row of key position ``p + 1 - v + k``; columns >= v, padding rows and unmapped pages
     hold -1. Isolation comes from reading the query's own request's table row; causality from keys <= p.
     """
@@ -73,15 +82,40 @@ def window_key_rows(positions: np.ndarray, request: np.ndarray, ori_table: np.nd
     k = np.arange(window, dtype=np.int64)[None, :]                       # (1, W)
     visible = np.minimum(window, p + 1)                                  # (T, 1)
     key_pos = np.where(k < visible, p + 1 - visible + k, -1)             # (T, W)
-    rows = physical_rows(ori_table, request, key_pos, page_size, ring=True)
+    rows = physical_rows(ori_table, table_row, key_pos, page_size, ring=True)
     return np.where(k < visible, rows, -1)
 
 
-def visible_entry_rows(visible: np.ndarray, request: np.ndarray, table: np.ndarray, page_size: int) -> np.ndarray:
-    """[T, Vmax] int64 physical rows of the compressed entries ``c < visible[t]`` through each row's own request's
-    table (visible: [T] counts, 0 on padding rows; Vmax = max(visible)); -1 beyond a row's count or unmapped."""
+def visible_entry_rows(visible: np.ndarray, table_row: np.ndarray, table: np.ndarray, page_size: int) -> np.ndarray:
+    """[T, Vmax] int64 physical rows of the compressed entries ``c < visible[t]`` through each row's own table row
+    (visible: [T] counts, 0 on padding rows; table_row [T], -1 on padding rows; Vmax = max(visible)); -1 beyond a
+    row's count or unmapped."""
     c = np.arange(int(np.max(visible, initial=0)), dtype=np.int64)[None, :]             # (1, Vmax)
-    return physical_rows(table, request, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
+    return physical_rows(table, table_row, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
+
+
+def _table_issues(batch: PackedBatch, tables: Mapping[str, np.ndarray] | None,
+                  request_table_row: np.ndarray | None) -> list[Issue]:
+    """``array.shape`` issues of a plan's own tables and request rows (none for the batch's own)."""
+    issues = []
+    if tables is not None:
+        for pool, _ in batch.tables.items():
+            table = tables.get(pool)
+            if table is None or np.ndim(table) != 2 or np.asarray(table).dtype != np.int32:
+                issues.append(Issue("array.shape", f"tables.{pool}", "a plan's tables need every pool of the batch",
+                                    expected="[R_t, W_t] int32", actual=None if table is None else
+                                    f"{np.shape(table)} {np.asarray(table).dtype}"))
+    if request_table_row is not None:
+        rows = np.asarray(request_table_row)
+        given = dict(batch.tables.items()) if tables is None else tables
+        count = min((np.shape(t)[0] for t in given.values() if np.ndim(t) == 2), default=0)
+        if rows.shape != (batch.num_requests,) or rows.dtype.kind not in "iu":
+            issues.append(Issue("array.shape", "request_table_row", "one table row per request",
+                                expected=[batch.num_requests], actual=list(rows.shape)))
+        elif rows.size and not (int(rows.min()) >= 0 and int(rows.max()) < count):
+            issues.append(Issue("array.shape", "request_table_row", "every request's row must exist in the tables",
+                                expected=f"[0, {count})", actual=[int(rows.min()), int(rows.max())]))
+    return issues
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -111,6 +145,44 @@ class StateWindows:
     rows: np.ndarray
 
 
+@attrs.frozen(eq=False)
+class CompressorState:
+    """One compressor's state addressing: its ring, where each group row writes and how windows are read back.
+
+    pool: [S, 2*coff*d] float32 state rows (``[kv | score]``), **mutated** by the compressor.
+    slots: [P] int64 state row each group row writes (-1 = no write: padding rows).
+    table: [R_t, W] int32 block table of the state pool (-1 = unmapped); table_row: [P] int32 the row of it each
+    group row reads (-1 on padding rows; the request for a batch's own tables, :attr:`BatchPlan.table_row`).
+    page_size: state rows per block; ring: the table is a ring table (``PoolLayout.is_ring``, True for every
+    state pool). windows: the plan's boundary rows and window state rows of this pool, or None (looked up from
+    ``table`` by :meth:`window_rows`).
+    """
+
+    pool: np.ndarray
+    slots: np.ndarray
+    table: np.ndarray
+    table_row: np.ndarray
+    page_size: int
+    ring: bool = True
+    windows: StateWindows | None = None
+
+    def window_rows(self, positions: np.ndarray, ratio: int) -> tuple[np.ndarray, np.ndarray]:
+        """(boundary rows [B] int64, their windows' state rows [B, span] int64, -1 = missing slot): the plan's
+        ``windows`` when given, else :func:`~dspark_kernels.model.geometry.window_state_rows`."""
+        if self.windows is not None:
+            return self.windows.boundaries, self.windows.rows
+        return window_state_rows(positions, self.table_row, self.table, ratio, self.page_size)
+
+
+@attrs.frozen(eq=False)
+class IndexKeyPools:
+    """The lightning indexer's key cache of one layer: ``keys`` [rows, dI] (int8 in a2a3, float32 in fp32 and
+    deepseek) and their dequant ``scales`` [rows] float32 (1.0 in fp32 and deepseek)."""
+
+    keys: np.ndarray
+    scales: np.ndarray
+
+
 #: The compressed pool whose visible entries a layer kind reads through the plan's ``entry_rows``.
 ENTRY_POOLS: dict[LayerKind, str] = {"csa": "idx", "hca": "hca_cmp"}
 
@@ -129,6 +201,8 @@ class BatchPlan:
     row_stop: int
     positions: np.ndarray
     request: np.ndarray
+    tables: dict[str, np.ndarray]
+    table_row: np.ndarray
     run_starts: np.ndarray
     run_stops: np.ndarray
     run_requests: np.ndarray
@@ -141,15 +215,21 @@ class BatchPlan:
     window_rope: dict[int, RopeRows]
 
     @classmethod
-    def build(cls, batch: PackedBatch, *, rank: int | None = None, precision: str = "fp32") -> BatchPlan:
+    def build(cls, batch: PackedBatch, *, rank: int | None = None, precision: str = "fp32",
+              tables: Mapping[str, np.ndarray] | None = None, request_table_row: np.ndarray | None = None
+              ) -> BatchPlan:
         """The plan of ``batch`` (validated) for ``rank`` (None = the whole group) in ``precision``.
 
-        Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ValueError for an unknown precision.
+        tables / request_table_row: the block tables the kernels read (every pool of ``batch.tables``, each
+        [R_t, W_t] int32, mapping at least the pages the batch's own tables map) and the [R] row of them each
+        request reads; default the batch's own tables, row r for request r.
+        Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ``array.shape`` for tables or rows
+        that do not fit, ValueError for an unknown precision.
         """
         prec = check_precision(precision)
-        bad_rank = batch.policy.rank_issues(rank, whole_group=True)
-        if bad_rank:
-            raise ABIError(bad_rank)
+        issues = batch.policy.rank_issues(rank, whole_group=True) + _table_issues(batch, tables, request_table_row)
+        if issues:
+            raise ABIError(issues)
         if rank is None:
             lo, hi = 0, batch.padded_rows
         else:
@@ -158,6 +238,12 @@ class BatchPlan:
         config = batch.config
         positions = _frozen(batch.positions.astype(np.int64))
         request = batch.row_request                   # the batch's request record owns the rows and the runs
+        if request_table_row is None:
+            table_row = request
+        else:
+            slot = np.asarray(request_table_row, dtype=np.int32)
+            table_row = _frozen(np.where(request >= 0, slot[np.maximum(request, 0)], -1).astype(np.int32))
+        tables = dict(batch.tables.items() if tables is None else tables)
         run_starts, run_stops, run_requests = batch.requests.runs()
         ratios = compress_ratios(config)
         boundaries = {m: _frozen(boundary_rows(positions, request, m)) for m in ratios}
@@ -170,20 +256,21 @@ class BatchPlan:
         window_rope = {m: RopeRows(*(_frozen(a) for a in rope_at(config, kind, window_start_positions(positions, m),
                                                                  prec)))
                        for kind, m in kinds.items() if m}
-        pools, tables = config.layout.pools, batch.tables
-        window = _frozen(window_key_rows(positions[lo:hi], request[lo:hi], tables["ori"], config.sliding_window,
+        pools = config.layout.pools
+        window = _frozen(window_key_rows(positions[lo:hi], table_row[lo:hi], tables["ori"], config.sliding_window,
                                          pools["ori"].page_size))
-        entry_rows = {pool: _frozen(visible_entry_rows(visible[pools[pool].ratio][lo:hi], request[lo:hi],
+        entry_rows = {pool: _frozen(visible_entry_rows(visible[pools[pool].ratio][lo:hi], table_row[lo:hi],
                                                        tables[pool], pools[pool].page_size))
                       for kind, pool in ENTRY_POOLS.items() if kind in kinds}
         compressors = [(f"{kind}_state", m) for kind, m in kinds.items() if m]
         compressors += [("csa_inner_state", INDEX_RATIO)] if "csa" in kinds else []
         state_windows = {pool: StateWindows(*(_frozen(a) for a in window_state_rows(
-            positions, request, tables[pool], m, pools[pool].page_size, boundaries[m]))) for pool, m in compressors}
+            positions, table_row, tables[pool], m, pools[pool].page_size, boundaries[m]))) for pool, m in compressors}
         return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
-                   request=request, run_starts=_frozen(run_starts), run_stops=_frozen(run_stops),
-                   run_requests=_frozen(run_requests), boundaries=boundaries, visible=visible, window=window,
-                   entry_rows=entry_rows, state_windows=state_windows, rope=rope, window_rope=window_rope)
+                   request=request, tables=tables, table_row=table_row, run_starts=_frozen(run_starts),
+                   run_stops=_frozen(run_stops), run_requests=_frozen(run_requests), boundaries=boundaries,
+                   visible=visible, window=window, entry_rows=entry_rows, state_windows=state_windows, rope=rope,
+                   window_rope=window_rope)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -199,6 +286,19 @@ class BatchPlan:
     def query_request(self) -> np.ndarray:
         """[rows] int32 request of each query row (a view of ``batch.row_request``); -1 on padding rows."""
         return self.request[self.row_start:self.row_stop]
+
+    @property
+    def query_table_row(self) -> np.ndarray:
+        """[rows] int32 ``table_row`` of each query row; -1 on padding rows."""
+        return self.table_row[self.row_start:self.row_stop]
+
+    def compressor_state(self, pool: str, ring: np.ndarray) -> CompressorState:
+        """The :class:`CompressorState` of state pool ``pool`` (e.g. ``"csa_state"``) over ``ring``, the layer's
+        array of that pool: the batch's slots, the plan's table, table rows and windows."""
+        pl = self.config.layout.pools[pool]
+        return CompressorState(pool=ring, slots=self.batch.slots[pool], table=self.tables[pool],
+                               table_row=self.table_row, page_size=pl.page_size, ring=pl.is_ring,
+                               windows=self.state_windows[pool])
 
     def query_slice(self, lo: int, hi: int) -> slice:
         """Group rows ``[lo, hi)`` (inside the query rows) as a slice of the per-query-row arrays."""

@@ -29,7 +29,7 @@ import numpy as np
 from dspark_abi import PackedBatch
 from dspark_kernels.model.backends import Backend, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
-from dspark_kernels.model.forward import ForwardResult, run_forward
+from dspark_kernels.model.forward import ForwardOptions, ForwardResult, RankContext, run_forward
 from dspark_kernels.model.layer import AllGather
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
@@ -93,9 +93,10 @@ def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeigh
 
     def work(r: int) -> None:
         try:
-            results[r] = run_forward(batch, inputs, weights, replicas[r], precision=precision, layers=layers,
-                                     logit_rows=logit_rows, rank=r, all_gather=group.gatherer(r),
-                                     backend=attention, prepared=cache, on_layer=on_layer if r == 0 else None)
+            options = ForwardOptions(precision=precision, layers=layers, logit_rows=logit_rows, backend=attention,
+                                     prepared=cache, on_layer=on_layer if r == 0 else None)
+            results[r] = run_forward(batch, inputs, weights, replicas[r], options,
+                                     tp=RankContext(r, group.gatherer(r)))
         except BaseException as exc:
             errors.append(exc)
             group.abort()
@@ -159,10 +160,10 @@ def run_rank(job: DistributedJob, *, device: str = "cpu", attention: Backend | N
         raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {job.batch.tp_size}")
     if attention is None:
         attention = resolve_backend(job.backend, job.precision)
-    result = run_forward(job.batch, job.inputs, job.weights, job.caches, precision=job.precision,
-                         layers=job.layers, logit_rows=job.logit_rows, rank=rank,
-                         all_gather=torch_all_gather(device), backend=attention,
-                         on_layer=job.on_layer if rank == 0 else None)
+    options = ForwardOptions(precision=job.precision, layers=job.layers, logit_rows=job.logit_rows,
+                             backend=attention, on_layer=job.on_layer if rank == 0 else None)
+    result = run_forward(job.batch, job.inputs, job.weights, job.caches, options,
+                         tp=RankContext(rank, torch_all_gather(device)))
     return RankResult(rank, result, job.caches)
 
 

@@ -44,7 +44,7 @@ from dspark_kernels.model.backends import PYPTO_PRECISION as PRECISION
 from dspark_kernels.model.backends import HcMix, KeyRows, QueryPath, run_attention
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
-from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.plan import BatchPlan, IndexKeyPools, RopeRows
 from dspark_kernels.model.prepared import PreparedWeights, PreparedWeightsCache, prepared_for
 
 T = TypeVar("T")
@@ -98,34 +98,28 @@ class PyptoStages:
         from dspark_kernels.pypto.compressor import compress_into
         from dspark_kernels.pypto.paged import scatter_into
 
-        batch, config = plan.batch, plan.config
-        pools = config.layout.pools  # each table's addressing (ring or not) comes from its PoolLayout
+        config = plan.config
         kind = config.layer_kind(layer)
-        start = plan.window_rope[config.compress_ratios[layer]]
-        state = f"{kind}_state"
-        b, (entries,) = compress_into(x, plan.positions, plan.request, batch.slots[state], batch.tables[state],
-                                      caches.pool(state), _given(weights.compressor, "compressor"), start.cos,
-                                      start.sin, page_size=pools[state].page_size, eps=config.rms_norm_eps,
-                                      ring=pools[state].is_ring, windows=plan.state_windows[state])
-        scatter_into(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
+        state = plan.compressor_state(f"{kind}_state", caches.pool(f"{kind}_state"))
+        b, (entries,) = compress_into(x, plan.positions, plan.request, state,
+                                      _given(weights.compressor, "compressor"),
+                                      plan.window_rope[config.compress_ratios[layer]], eps=config.rms_norm_eps)
+        scatter_into(caches.pool(f"{kind}_cmp"), plan.batch.slots[f"{kind}_cmp"][b], entries, bf16=True)
 
     def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
                             caches: LayerCaches) -> None:
         from dspark_kernels.pypto.compressor import compress_into
         from dspark_kernels.pypto.paged import scatter_into
 
-        batch, config = plan.batch, plan.config
-        pools = config.layout.pools
-        start = plan.window_rope[config.compress_ratios[layer]]
-        inner = "csa_inner_state"
-        b, (idx, idx_scale) = compress_into(x, plan.positions, plan.request, batch.slots[inner],
-                                            batch.tables[inner], caches.pool(inner),
-                                            _given(weights.idx_compressor, "indexer.compressor"), start.cos,
-                                            start.sin, page_size=pools[inner].page_size, eps=config.rms_norm_eps,
-                                            ring=pools[inner].is_ring, hadamard=weights.idx_hadamard,
-                                            windows=plan.state_windows[inner])
-        scatter_into(caches.pool("idx"), batch.slots["idx"][b], idx, bf16=False)
-        scatter_into(caches.pool("idx_scale"), batch.slots["idx"][b], idx_scale, bf16=False)
+        config = plan.config
+        state = plan.compressor_state("csa_inner_state", caches.pool("csa_inner_state"))
+        b, (idx, idx_scale) = compress_into(x, plan.positions, plan.request, state,
+                                            _given(weights.idx_compressor, "indexer.compressor"),
+                                            plan.window_rope[config.compress_ratios[layer]], eps=config.rms_norm_eps,
+                                            hadamard=weights.idx_hadamard)
+        slots = plan.batch.slots["idx"][b]
+        scatter_into(caches.pool("idx"), slots, idx, bf16=False)
+        scatter_into(caches.pool("idx_scale"), slots, idx_scale, bf16=False)
 
     def query(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, weights: PreparedWeights
               ) -> QueryPath:
@@ -140,28 +134,25 @@ class PyptoStages:
 
     def index_topk(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, query: QueryPath,
                    weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:
-        from dspark_kernels.pypto.indexer import run_indexer
+        from dspark_kernels.pypto.indexer import IndexerWeights, run_indexer
 
         config, w = plan.config, weights
         candidates = plan.entry_rows_in("idx", rows.start, rows.stop)  # the request's own visible idx entries
         if candidates.shape[1] == 0:
             return np.full((rows.stop - rows.start, config.index_topk), -1, np.int32)
-        cos, sin = plan.rope[config.layer_kind(layer)].rows(rows.start, rows.stop)
-        qr_q, qr_scale = query.low_rank
-        top: np.ndarray = run_indexer(qr_q, qr_scale, _given(w.idx_wq_b, "indexer.wq_b"),
-                                      _given(w.idx_wq_b_scale, "indexer.wq_b scale"), x[rows],
-                                      _given(w.idx_weights_proj, "indexer.weights_proj"), cos, sin,
-                                      _given(w.idx_hadamard, "indexer Hadamard"), caches.pool("idx"),
-                                      caches.pool("idx_scale"), candidates, heads=config.index_n_heads,
-                                      topk=config.index_topk, weight_scale=config.index_weight_scale).values[-1]
+        rope = plan.rope[config.layer_kind(layer)]
+        top: np.ndarray = run_indexer(query.low_rank, x[rows], IndexerWeights.of(w, config),
+                                      RopeRows(*rope.rows(rows.start, rows.stop)),
+                                      IndexKeyPools(caches.pool("idx"), caches.pool("idx_scale")), candidates,
+                                      topk=config.index_topk).values[-1]
         return top
 
     def chosen_entry_rows(self, plan: BatchPlan, rows: slice, entries: np.ndarray) -> np.ndarray:
         from dspark_kernels.pypto.entry_rows import run_entry_rows
 
         pool = plan.config.layout.pools["csa_cmp"]
-        result: np.ndarray = run_entry_rows(plan.positions[rows], plan.request[rows].astype(np.int64),
-                                            plan.batch.tables["csa_cmp"], entries, ring=pool.is_ring,
+        result: np.ndarray = run_entry_rows(plan.positions[rows], plan.table_row[rows].astype(np.int64),
+                                            plan.tables["csa_cmp"], entries, ring=pool.is_ring,
                                             table_name=TABLE_FIELDS["csa_cmp"]).values[-1]
         return result
 

@@ -49,8 +49,9 @@ class PyptoBackend:
         top = int(batch.positions.max(initial=0))
         for pool in sorted({p for i in layers for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
             pl = cfg.layout.pools[pool]
-            issues += index_range_issues(f"{pool}_block_table", requests=batch.num_requests,
-                                         width=batch.tables[pool].shape[1], page=pl.page_size,
+            table = batch.tables[pool]  # the kernels flatten a table's own rows and columns (R_t * W_t)
+            issues += index_range_issues(f"{pool}_block_table", requests=table.shape[0],
+                                         width=table.shape[1], page=pl.page_size,
                                          max_block=batch.pool_blocks[pool] - 1, max_position=top, ring=pl.is_ring)
         return issues + index_range_issues("positions", requests=0, width=1, page=1, max_block=-1,
                                            max_position=top)

@@ -17,7 +17,7 @@ Three steps, each a kernel; every write happens through a slot mapping:
 3. The entries go to ``csa_cmp`` / ``hca_cmp`` (or ``idx`` + ``idx_scale``) through the compressed slot
    mapping of the boundary rows, with the scatter kernel again.
 
-``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R requests; width = the state
+``pool_kernel`` arguments (B boundary rows; S state-pool rows of width 2*coff*d; R table rows; width = the state
 table's own columns, a ring table: page ``i // page`` in column ``(i // page) % width``; all shapes static per
 call): ``window`` [B, span] int32, the window's absolute positions p-span+1..p (negative: before the
 sequence; :func:`~dspark_kernels.model.geometry.window_positions`), ``request_ids`` [B, 1] int32; ``state_table``
@@ -40,8 +40,8 @@ import numpy as np
 
 from dspark_abi import ABIError
 from dspark_kernels.model.checks import coverage_issues
-from dspark_kernels.model.geometry import OVERLAP_RATIO, coff, window_positions, window_span, window_state_rows
-from dspark_kernels.model.plan import StateWindows
+from dspark_kernels.model.geometry import OVERLAP_RATIO, coff, window_positions, window_span
+from dspark_kernels.model.plan import CompressorState, RopeRows
 from dspark_kernels.model.prepared import PreparedCompressor
 from dspark_kernels.pypto._ops import MASKED_SCORE, int8_rows, rms_norm, rope_rows, table_rows, tile
 from dspark_kernels.pypto.index_guard import check_table, table_issues
@@ -246,40 +246,37 @@ def run_pool(positions: np.ndarray, request_ids: np.ndarray, state_table: np.nda
                       Out((rows, 1), np.float32, "idx_scale")])
 
 
-def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
-                  state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor, cos: np.ndarray,
-                  sin: np.ndarray, *, page_size: int, eps: float, ring: bool, hadamard: np.ndarray | None = None,
-                  windows: StateWindows | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-    """One compressor over a TP group's rows through pypto; **mutates** ``state_pool`` (the ring).
+def compress_into(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state: CompressorState,
+                  weights: PreparedCompressor, start: RopeRows, *, eps: float, hadamard: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """One compressor over a TP group's rows through pypto; **mutates** ``state.pool`` (the ring).
 
-    x [P, X] (bf16 values); positions, request [P] (-1 padding); state_slots [P] int64 (-1 = no write);
-    state_table [R, width] int32 (ring: ``PoolLayout.is_ring`` of the state pool, True in the ABI: page
-    ``i // page_size`` in column ``(i // page_size) % width``; the coverage check reads it as a ring table too);
-    state_pool [rows, 2*coff*d] float32; weights: a ``PreparedCompressor`` (a2a3); cos, sin [P, rd/2] at each
-    row's window start; windows: the plan's boundary rows and window state rows of this state pool (looked up
-    from positions, request and state_table when None; the pooling kernel looks the rows up again in-kernel).
+    x [P, X] (bf16 values); positions, request [P] (-1 padding); state: the state ring [rows, 2*coff*d] float32
+    and its addressing (:class:`~dspark_kernels.model.plan.CompressorState`: slots, the table read at each row's
+    ``table_row``, ring = ``PoolLayout.is_ring``, True in the ABI: page ``i // page_size`` in column
+    ``(i // page_size) % width``; the coverage check reads it as a ring table too; its windows, looked up when
+    None; the pooling kernel looks the rows up again in-kernel); weights: a ``PreparedCompressor`` (a2a3); start:
+    RoPE cos / sin [P, rd/2] at each row's window start.
     Returns (boundary rows b [B] int64, outputs):
     outputs = (entries [B, d] float32 bf16 values,) or, with ``hadamard``, (idx [B, d] int8, idx_scale [B]).
     Raises ABIError ``coverage.unmapped`` before any write if a ratio-128 window is not mapped, and
     ``kernel.index_range`` if the pooling kernel's fp32 indices would round.
     """
-    ratio = weights.ratio
-    if windows is None:
-        b, state_rows = window_state_rows(positions, request, state_table, ratio, page_size)
-    else:
-        b, state_rows = windows.boundaries, windows.rows
+    ratio, page_size = weights.ratio, state.page_size
+    b, state_rows = state.window_rows(positions, ratio)
     issues = coverage_issues(positions, np.asarray(request), b, state_rows, ratio, "state_table")
-    issues += table_issues("state_table", state_table, page_size, positions, ring=ring)
+    issues += table_issues("state_table", state.table, page_size, positions, ring=state.ring)
     if issues:
         raise ABIError(issues)
     rows = run_state_rows(x, weights.wkv, weights.wgate, weights.ape, positions).values[-1]
-    state_pool[...] = run_scatter(state_pool, rows, state_slots).values[0]
+    state.pool[...] = run_scatter(state.pool, rows, state.slots).values[0]
     if b.size == 0:
         d = weights.dim
         return b, ((np.zeros((0, d), np.int8), np.zeros(0, np.float32)) if hadamard is not None
                    else (np.zeros((0, d), np.float32),))
-    result = run_pool(np.asarray(positions)[b], np.asarray(request)[b], state_table, state_pool, weights.norm,
-                      cos[b], sin[b], ratio=ratio, page=page_size, eps=eps, ring=ring, hadamard=hadamard)
+    result = run_pool(np.asarray(positions)[b], np.asarray(state.table_row)[b], state.table, state.pool,
+                      weights.norm, start.cos[b], start.sin[b], ratio=ratio, page=page_size, eps=eps,
+                      ring=state.ring, hadamard=hadamard)
     if hadamard is not None:
         return b, (result.values[-2], result.values[-1][:, 0])
     return b, (result.values[-1].astype(np.float32),)

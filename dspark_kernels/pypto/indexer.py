@@ -39,9 +39,13 @@ import math
 from functools import lru_cache
 from typing import Any
 
+import attrs
 import ml_dtypes
 import numpy as np
 
+from dspark_abi import ModelConfig
+from dspark_kernels.model.plan import IndexKeyPools, RopeRows
+from dspark_kernels.model.prepared import PreparedWeights
 from dspark_kernels.pypto._ops import MASKED_SCORE, MIN_COLUMNS, int8_rows, rope_rows, tile
 from dspark_kernels.pypto.runtime import LaunchResult, Out, launch, pypto, stitched_kernel
 
@@ -206,12 +210,44 @@ def _rows_top(b: Any, block: int, q_i8: Any, head_w: Any, keys_in: tuple[Any, ..
         pypto.set_pass_options(sg_set_scope=-1)  # a new scope per row: one vector task each
 
 
-def run_indexer(qr_q: np.ndarray, qr_scale: np.ndarray, wq_b: np.ndarray, wq_b_scale: np.ndarray, x: np.ndarray,
-                weights_proj: np.ndarray, cos: np.ndarray, sin: np.ndarray, hadamard: np.ndarray,
-                idx: np.ndarray, idx_scale: np.ndarray, candidates: np.ndarray, *, heads: int, topk: int,
-                weight_scale: float, rounds: int = 0) -> LaunchResult:
-    """Top-k entries [T, k] int32 (``values[-1]``); candidates [T, C] int (-1 = none); ``rounds`` of topk calls
-    (k divisible by it; 0 = ceil(k / 128))."""
+@attrs.frozen(eq=False)
+class IndexerWeights:
+    """The lightning indexer's query-side weights of one CSA layer (a2a3).
+
+    wq_b [HI*dI, q] int8 with its per-channel dequant scale [HI*dI] float32; weights_proj [HI, X] (bf16 values);
+    hadamard [dI, dI] (bf16 values); heads = HI; weight_scale = ``index_weight_scale`` (scales the head weights).
+    """
+
+    wq_b: np.ndarray
+    wq_b_scale: np.ndarray
+    weights_proj: np.ndarray
+    hadamard: np.ndarray
+    heads: int
+    weight_scale: float
+
+    @classmethod
+    def of(cls, w: PreparedWeights, config: ModelConfig) -> "IndexerWeights":
+        """The indexer weights of a layer's prepared a2a3 weights; ValueError if the layer has no indexer."""
+        if w.idx_wq_b is None or w.idx_wq_b_scale is None or w.idx_weights_proj is None or w.idx_hadamard is None:
+            raise ValueError("the a2a3 weights of this layer lack the indexer (wq_b, its scale, weights_proj, "
+                             "Hadamard)")
+        return cls(w.idx_wq_b, w.idx_wq_b_scale, w.idx_weights_proj, w.idx_hadamard, config.index_n_heads,
+                   config.index_weight_scale)
+
+
+def run_indexer(low_rank: tuple[np.ndarray, np.ndarray], x: np.ndarray, weights: IndexerWeights, rope: RopeRows,
+                keys: IndexKeyPools, candidates: np.ndarray, *, topk: int, rounds: int = 0) -> LaunchResult:
+    """Top-k entries [T, k] int32 (``values[-1]``) of T query rows.
+
+    low_rank: the attention's low-rank query (qr_q [T, q] int8, qr_scale [T, 1] float32); x [T, X] (bf16
+    values); rope: cos / sin [T, rd/2] at the rows' positions; keys: the idx pool [rows, dI] int8 and idx_scale
+    [rows]; candidates [T, C] int physical idx rows (-1 = none); ``rounds`` of topk calls (k divisible by it;
+    0 = ceil(k / 128)).
+    """
+    qr_q, qr_scale = low_rank
+    cos, sin = rope.cos, rope.sin
+    heads, hadamard = weights.heads, weights.hadamard
+    idx, idx_scale = keys.keys, keys.scales
     if rounds and topk % rounds:
         raise ValueError(f"topk={topk} must be divisible by rounds={rounds}")
     rows, q_rank = qr_q.shape
@@ -223,12 +259,13 @@ def run_indexer(qr_q: np.ndarray, qr_scale: np.ndarray, wq_b: np.ndarray, wq_b_s
         candidates = np.concatenate([candidates, pad], axis=1)
     dim = hadamard.shape[0]
     k = indexer_kernel(rows, q_rank, x.shape[1], heads, dim, 2 * cos.shape[1], candidates.shape[1], topk,
-                       idx.shape[0], float(weight_scale), rounds)
+                       idx.shape[0], float(weights.weight_scale), rounds)
     per_head = [np.repeat(np.asarray(v, np.float32).reshape(rows, -1), heads, axis=0) for v in (qr_scale, cos, sin)]
-    channel_scale = np.tile(np.asarray(wq_b_scale, np.float32).reshape(heads, dim), (rows, 1))
+    channel_scale = np.tile(np.asarray(weights.wq_b_scale, np.float32).reshape(heads, dim), (rows, 1))
     key_bias = np.where(candidates >= 0, np.float32(0), np.float32(MASKED_SCORE))
-    return launch(k, [np.asarray(qr_q).astype(np.int8), per_head[0], np.asarray(wq_b).astype(np.int8), channel_scale,
-                      x.astype(BF16), weights_proj.astype(BF16), per_head[1].astype(BF16), per_head[2].astype(BF16),
+    return launch(k, [np.asarray(qr_q).astype(np.int8), per_head[0], np.asarray(weights.wq_b).astype(np.int8),
+                      channel_scale, x.astype(BF16), weights.weights_proj.astype(BF16), per_head[1].astype(BF16),
+                      per_head[2].astype(BF16),
                       np.asarray(hadamard).astype(BF16), np.asarray(idx).astype(np.int8),
                       np.asarray(idx_scale, np.float32).reshape(-1), np.maximum(candidates, 0), key_bias,
                       np.zeros((1, MIN_COLUMNS), np.int32), Out((rows, topk), np.int32, "top")])

@@ -19,7 +19,7 @@ from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import check_precision
-from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.plan import BatchPlan, IndexKeyPools
 from dspark_kernels.model.prepared import PreparedCompressor, PreparedWeights, PreparedWeightsCache, prepared_for
 from dspark_kernels.reference.compressor import compress, compress_index_keys
 from dspark_kernels.reference.entry_rows import chosen_entry_rows
@@ -68,25 +68,24 @@ class ReferenceStages:
 
     def compress(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
                  caches: LayerCaches) -> None:
-        batch, config = plan.batch, plan.config
+        config = plan.config
         kind = config.layer_kind(layer)
-        start = plan.window_rope[config.compress_ratios[layer]]
-        state = f"{kind}_state"
-        b, entries = compress(x, plan.positions, plan.request, batch.slots[state], batch.tables[state],
-                              caches.pool(state), _given(weights.compressor), start.cos, start.sin,
-                              page_size=config.layout.pools[state].page_size, eps=config.rms_norm_eps,
-                              precision=plan.precision, windows=plan.state_windows[state])
-        scatter_rows(caches.pool(f"{kind}_cmp"), batch.slots[f"{kind}_cmp"][b], entries)
+        state = plan.compressor_state(f"{kind}_state", caches.pool(f"{kind}_state"))
+        b, entries = compress(x, plan.positions, plan.request, state, _given(weights.compressor),
+                              plan.window_rope[config.compress_ratios[layer]], eps=config.rms_norm_eps,
+                              precision=plan.precision)
+        scatter_rows(caches.pool(f"{kind}_cmp"), plan.batch.slots[f"{kind}_cmp"][b], entries)
 
     def compress_index_keys(self, plan: BatchPlan, layer: int, x: np.ndarray, weights: PreparedWeights,
                             caches: LayerCaches) -> None:
-        batch, config = plan.batch, plan.config
-        start = plan.window_rope[config.compress_ratios[layer]]
-        compress_index_keys(x, plan.positions, plan.request, batch.slots["csa_inner_state"],
-                            batch.tables["csa_inner_state"], caches.pool("csa_inner_state"), batch.slots["idx"],
-                            caches.pool("idx"), caches.pool("idx_scale"), weights, start.cos, start.sin,
-                            eps=config.rms_norm_eps, precision=plan.precision,
-                            windows=plan.state_windows["csa_inner_state"])
+        config = plan.config
+        state = plan.compressor_state("csa_inner_state", caches.pool("csa_inner_state"))
+        b, keys = compress_index_keys(x, plan.positions, plan.request, state, weights,
+                                      plan.window_rope[config.compress_ratios[layer]], eps=config.rms_norm_eps,
+                                      precision=plan.precision)
+        slots = plan.batch.slots["idx"][b]
+        scatter_rows(caches.pool("idx"), slots, keys.keys)
+        scatter_rows(caches.pool("idx_scale"), slots, keys.scales)
 
     def query(self, plan: BatchPlan, layer: int, x: np.ndarray, rows: slice, weights: PreparedWeights
               ) -> QueryPath:
@@ -104,12 +103,12 @@ class ReferenceStages:
         iq = index_query(query.low_rank, x[rows], weights, cos, sin, config.index_n_heads,
                          config.index_weight_scale, plan.precision)
         candidates = IndexCandidates(plan.visible[INDEX_RATIO][rows], plan.entry_rows_in("idx", lo, hi))
-        return lightning_topk(iq, plan.positions[rows], plan.request[rows], plan.batch.tables["idx"],
-                              caches.pool("idx"), caches.pool("idx_scale"), topk=config.index_topk,
-                              precision=plan.precision, runs=plan.runs_in(lo, hi), candidates=candidates)
+        keys = IndexKeyPools(caches.pool("idx"), caches.pool("idx_scale"))
+        return lightning_topk(iq, plan.request[rows], keys, candidates, topk=config.index_topk,
+                              precision=plan.precision, runs=plan.runs_in(lo, hi))
 
     def chosen_entry_rows(self, plan: BatchPlan, rows: slice, entries: np.ndarray) -> np.ndarray:
-        return chosen_entry_rows(entries, plan.request[rows], plan.batch.tables["csa_cmp"])
+        return chosen_entry_rows(entries, plan.table_row[rows], plan.tables["csa_cmp"])
 
     def sparse_attention(self, plan: BatchPlan, layer: int, rows: slice, query: QueryPath, keys: KeyRows,
                          weights: PreparedWeights, caches: LayerCaches) -> np.ndarray:

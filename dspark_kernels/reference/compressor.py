@@ -28,9 +28,9 @@ FP8-fake-quantise the non-RoPE dims (:func:`~dspark_kernels.model.deepseek_numer
 indexer's rotates and FP4-fake-quantises all dI dims
 (:func:`~dspark_kernels.model.deepseek_numerics.index_fake_quant`), stored as float32 with scale 1.0.
 
-Boundary rows and their windows' state rows come from the batch's plan (``windows=``, the plan's
-:class:`~dspark_kernels.model.plan.StateWindows` of the state pool); called on bare arrays, a stage looks them up
-(:func:`~dspark_kernels.model.geometry.window_state_rows`).
+A compressor's state addressing is one :class:`~dspark_kernels.model.plan.CompressorState`: a forward's comes from
+its plan (the plan's table, table rows and windows of the state pool); built on bare arrays without ``windows``,
+the stage looks the windows up (:func:`~dspark_kernels.model.geometry.window_state_rows`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from __future__ import annotations
 import numpy as np
 
 from dspark_abi import ABIError
-from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE
 from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.checks import coverage_issues
-from dspark_kernels.model.geometry import OVERLAP_RATIO, window_state_rows
+from dspark_kernels.model.geometry import OVERLAP_RATIO
 from dspark_kernels.model.numerics import Precision, bf16_round, int8_quantize, linear, narrow, rms_norm
-from dspark_kernels.model.plan import StateWindows
+from dspark_kernels.model.plan import CompressorState, IndexKeyPools, RopeRows
 from dspark_kernels.model.prepared import PreparedCompressor, PreparedWeights
 from dspark_kernels.model.rope import apply_rope
 from dspark_kernels.reference.paged import gather_rows, scatter_rows
@@ -53,28 +52,25 @@ from dspark_kernels.reference.tiling import tiles
 POOL_TILE = 512
 
 
-def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
-             state_table: np.ndarray, state_pool: np.ndarray, weights: PreparedCompressor,
-             cos: np.ndarray, sin: np.ndarray, *, page_size: int, eps: float,
-             precision: Precision, windows: StateWindows | None = None,
+def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state: CompressorState,
+             weights: PreparedCompressor, start: RopeRows, *, eps: float, precision: Precision,
              rotate: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Run one compressor over a TP group's rows; writes the state ring, returns the new entries.
 
     x: [P, X] float32 hidden rows (bf16 values in a2a3); positions [P]; request [P] (-1 padding);
-    state_slots: [P] int64 state-pool row of each token (-1 = no write); state_table: [R, width] int32;
-    state_pool: [rows, 2*coff*d] float32, **mutated** (the ``[kv | score]`` rows of every live token);
-    cos, sin: [P, rd/2] RoPE at each row's window start
-    (:func:`~dspark_kernels.model.geometry.window_start_positions`). windows: the plan's windows of this state
-    pool (looked up from positions, request and state_table when None). rotate: the indexer's key compressor (official
-    ``Compressor(rotate=True)``): no FP8 KV fake quant in deepseek (:func:`compress_index_keys` rotates instead).
+    state: the state ring (**mutated**: the ``[kv | score]`` rows of every live token) and its addressing
+    (:class:`~dspark_kernels.model.plan.CompressorState`; a plan's from
+    :meth:`~dspark_kernels.model.plan.BatchPlan.compressor_state`); start: RoPE cos / sin [P, rd/2] at each row's
+    window start (:func:`~dspark_kernels.model.geometry.window_start_positions`). rotate: the indexer's key
+    compressor (official ``Compressor(rotate=True)``): no FP8 KV fake quant in deepseek
+    (:func:`compress_index_keys` rotates instead).
     Returns (boundary rows [B] int64 into the P rows, entries [B, d] float32; bf16 values in a2a3 and deepseek,
     FP8-fake-quantised non-RoPE dims in deepseek unless ``rotate``).
     Raises ABIError ``coverage.unmapped`` (before writing anything) if a ratio-128 window is not mapped.
     """
     ratio, d = weights.ratio, weights.dim
     request = np.asarray(request)
-    b, rows = (window_state_rows(positions, request, state_table, ratio, page_size) if windows is None
-               else (windows.boundaries, windows.rows))
+    b, rows = state.window_rows(positions, ratio)
     issues = coverage_issues(positions, request, b, rows, ratio, "state_table")
     if issues:
         raise ABIError(issues)
@@ -83,11 +79,11 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
     x_live = x[live]
     kv = linear(x_live, weights.wkv)                                                 # (n, coff*d)
     score = linear(x_live, weights.wgate) + weights.ape[p_live % ratio]             # (n, coff*d)
-    scatter_rows(state_pool, np.asarray(state_slots)[live], np.concatenate([kv, score], axis=1))
+    scatter_rows(state.pool, np.asarray(state.slots)[live], np.concatenate([kv, score], axis=1))
 
     entries = np.empty((b.size, d), dtype=np.float32)
     for lo, hi in tiles(0, b.size, POOL_TILE):
-        slots, valid = gather_rows(state_pool, rows[lo:hi])                         # (B, slots, 2*coff*d)
+        slots, valid = gather_rows(state.pool, rows[lo:hi])                         # (B, slots, 2*coff*d)
         if ratio == OVERLAP_RATIO:
             half = ratio  # previous window -> A halves, current window -> B halves
             kv_s = np.concatenate([slots[:, :half, :d], slots[:, half:, d:2 * d]], axis=1)          # (B, 8, d)
@@ -105,34 +101,28 @@ def compress(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_sl
         else:
             pooled = rms_norm(pooled, weights.norm, eps)
         entries[lo:hi] = pooled
-    roped = narrow(apply_rope(entries, cos[b], sin[b]), precision)
+    roped = narrow(apply_rope(entries, start.cos[b], start.sin[b]), precision)
     if precision == "deepseek" and not rotate:
-        roped = ds.kv_fake_quant(roped, 2 * cos.shape[-1])
+        roped = ds.kv_fake_quant(roped, 2 * start.cos.shape[-1])
     return b.astype(np.int64), roped
 
 
-def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state_slots: np.ndarray,
-                        state_table: np.ndarray, state_pool: np.ndarray, idx_slots: np.ndarray,
-                        idx_pool: np.ndarray, idx_scale_pool: np.ndarray, w: PreparedWeights,
-                        cos: np.ndarray, sin: np.ndarray, *, eps: float, precision: Precision,
-                        windows: StateWindows | None = None) -> None:
-    """Indexer compressor over a TP group's rows; **mutates** the inner state, idx and idx_scale pools.
+def compress_index_keys(x: np.ndarray, positions: np.ndarray, request: np.ndarray, state: CompressorState,
+                        w: PreparedWeights, start: RopeRows, *, eps: float, precision: Precision
+                        ) -> tuple[np.ndarray, IndexKeyPools]:
+    """Indexer compressor over a TP group's rows; **mutates** the inner state ring (``state.pool``).
 
-    x [P, X]; positions, request [P]; state_slots, idx_slots [P] int64 (-1 = no write); state_table [R, w];
-    state_pool [rows, 4*dI]; idx_pool [rows, dI] (int8 in a2a3, float32 in fp32 and deepseek); idx_scale_pool [rows];
-    cos, sin [P, rd/2] at each row's window start; windows: the plan's ``csa_inner_state`` windows (or None).
+    x [P, X]; positions, request [P]; state: the ``csa_inner_state`` ring and its addressing ([rows, 4*dI]);
+    start: RoPE [P, rd/2] at each row's window start. Returns (boundary rows b [B] int64, their keys
+    [B, dI] (int8 in a2a3, float32 in fp32 and deepseek) and scales [B] float32): the caller writes them to the
+    idx and idx_scale pools through the idx slots of rows b, as the pypto backend's
+    :func:`~dspark_kernels.pypto.compressor.compress_into` returns them.
     """
     if w.idx_compressor is None or w.idx_hadamard is None:
         raise ValueError("compress_index_keys needs CSA weights (indexer compressor and Hadamard)")
-    b, y = compress(x, positions, request, state_slots, state_table, state_pool, w.idx_compressor, cos, sin,
-                    page_size=RATIO4_STATE_PAGE_SIZE, eps=eps, precision=precision, windows=windows,
-                    rotate=True)
+    b, y = compress(x, positions, request, state, w.idx_compressor, start, eps=eps, precision=precision, rotate=True)
     z = ds.index_fake_quant(y) if precision == "deepseek" else y @ w.idx_hadamard     # (B, dI)
-    slots = np.asarray(idx_slots)[b]
     if precision != "a2a3":
-        scatter_rows(idx_pool, slots, z)
-        scatter_rows(idx_scale_pool, slots, np.ones(b.size, dtype=np.float32))
-        return
+        return b, IndexKeyPools(z, np.ones(b.size, dtype=np.float32))
     z_q, z_scale = int8_quantize(bf16_round(z))
-    scatter_rows(idx_pool, slots, z_q.astype(np.int8))
-    scatter_rows(idx_scale_pool, slots, z_scale)
+    return b, IndexKeyPools(z_q.astype(np.int8), z_scale)

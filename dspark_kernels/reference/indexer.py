@@ -35,10 +35,10 @@ from dspark_abi.layout import KV_PAGE_SIZE, visible_entries
 from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import Precision, int8_matmul, int8_quantize, linear, narrow
-from dspark_kernels.model.plan import Run
+from dspark_kernels.model.plan import IndexKeyPools, Run, visible_entry_rows
 from dspark_kernels.model.prepared import PreparedWeights
 from dspark_kernels.model.rope import apply_rope
-from dspark_kernels.reference.paged import gather_rows, request_rows
+from dspark_kernels.reference.paged import gather_rows
 from dspark_kernels.reference.projections import LowRankQuery
 from dspark_kernels.reference.tiling import request_runs, tiles
 
@@ -73,6 +73,14 @@ class IndexCandidates:
     visible: np.ndarray
     rows: np.ndarray
 
+    @classmethod
+    def lookup(cls, positions: np.ndarray, table_row: np.ndarray, idx_table: np.ndarray) -> IndexCandidates:
+        """The candidates of T rows looked up on bare arrays (a forward reads its plan's instead): positions [T],
+        table_row [T] the ``idx_table`` [R_t, width] row each row reads (-1 = padding row)."""
+        table_row = np.asarray(table_row)
+        visible = np.where(table_row >= 0, visible_entries(positions, INDEX_RATIO), 0)
+        return cls(visible, visible_entry_rows(visible, table_row, idx_table, KV_PAGE_SIZE))
+
 
 def index_query(lrq: LowRankQuery, x: np.ndarray, w: PreparedWeights, cos: np.ndarray, sin: np.ndarray,
                 heads: int, weight_scale: float, precision: Precision) -> IndexerQuery:
@@ -106,41 +114,33 @@ def index_scores(query: IndexerQuery, keys: np.ndarray, key_scale: np.ndarray, p
     return np.asarray(np.matmul(query.weights[:, None, :], relu)[:, 0, :] * key_scale[None, :])  # (T, C)
 
 
-def lightning_topk(query: IndexerQuery, positions: np.ndarray, request: np.ndarray, idx_table: np.ndarray,
-                   idx_pool: np.ndarray, idx_scale_pool: np.ndarray, *, topk: int,
-                   precision: Precision, runs: Sequence[Run] | None = None,
-                   candidates: IndexCandidates | None = None) -> np.ndarray:
+def lightning_topk(query: IndexerQuery, request: np.ndarray, keys: IndexKeyPools, candidates: IndexCandidates, *,
+                   topk: int, precision: Precision, runs: Sequence[Run] | None = None) -> np.ndarray:
     """Top-k compressed entries of every query row, from its own request's visible entries only.
 
-    query over T rows; positions, request [T] (-1 padding); idx_table [R, width]; idx_pool [rows, dI];
-    idx_scale_pool [rows]; runs: the rows' request runs (the plan's,
-    :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived from ``request`` when None); candidates: the
-    plan's visible counts and candidate rows of these rows (looked up from positions and idx_table when None). Returns
+    query over T rows; request [T] (-1 padding); keys: the layer's idx and idx_scale pools; candidates: the rows'
+    visible counts and candidate rows (the plan's, :meth:`~dspark_kernels.model.plan.BatchPlan.entry_rows_in`, or
+    :meth:`IndexCandidates.lookup`); runs: the rows' request runs (the plan's,
+    :meth:`~dspark_kernels.model.plan.BatchPlan.runs_in`; derived from ``request`` when None). Returns
     [T, topk] int32 logical entry indices (descending score, ties by lower index), -1 after
     ``min(topk, visible)`` entries and on padding rows. Unmapped entries are never chosen.
     """
-    positions = np.asarray(positions, dtype=np.int64)
-    out = np.full((positions.size, topk), -1, dtype=np.int32)
+    out = np.full((len(request), topk), -1, dtype=np.int32)
     for start, stop, r in request_runs(request) if runs is None else runs:
         if r < 0:
             continue
-        if candidates is None:
-            visible = visible_entries(positions[start:stop], INDEX_RATIO)             # (n,)
-        else:
-            visible = candidates.visible[start:stop]
+        visible = candidates.visible[start:stop]                                     # (n,)
         count = int(visible.max())
         if count == 0:
             continue
-        if candidates is None:
-            rows = request_rows(idx_table[r], np.arange(count), KV_PAGE_SIZE)        # (C,)
-        else:  # the run's widest row sees every entry of the run: its candidate rows are the run's keys
-            rows = candidates.rows[start + int(np.argmax(visible)), :count]
-        keys, mapped = gather_rows(idx_pool, rows)                                    # (C, dI)
-        key_scale, _ = gather_rows(idx_scale_pool, rows)                              # (C,)
-        keys = keys.astype(np.float32)
+        # the run's widest row sees every entry of the run: its candidate rows are the run's keys
+        rows = candidates.rows[start + int(np.argmax(visible)), :count]              # (C,)
+        run_keys, mapped = gather_rows(keys.keys, rows)                               # (C, dI)
+        key_scale, _ = gather_rows(keys.scales, rows)                                 # (C,)
+        run_keys = run_keys.astype(np.float32)
         tile = max(1, SCORE_TILE_ELEMENTS // (query.q.shape[1] * count))
         for lo, hi in tiles(start, stop, tile):
-            scores = index_scores(query.rows(lo, hi), keys, key_scale, precision)    # (t, C)
+            scores = index_scores(query.rows(lo, hi), run_keys, key_scale, precision)  # (t, C)
             candidate = mapped[None, :] & (np.arange(count)[None, :] < visible[lo - start:hi - start, None])
             out[lo:hi] = select_topk(np.where(candidate, scores, -np.inf), topk)
     return out

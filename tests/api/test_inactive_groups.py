@@ -9,7 +9,7 @@ from tolerances import assert_close, forward_reductions, order_atol
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks, validate
 from dspark_abi.presets import TINY
 from dspark_kernels import ModelCaches, prefill
-from dspark_kernels.model.forward import run_forward
+from dspark_kernels.model.forward import ForwardOptions, run_forward
 from dspark_kernels.model.tp import run_tp_inprocess
 from dspark_kernels.model.weights import ModelWeights
 
@@ -85,7 +85,7 @@ def test_inactive_group_runs_no_stage(weights):
         raise AssertionError("an attention stage ran for an inactive group")
 
     result = run_forward(batch, np.zeros(0, np.int64), weights, ModelCaches.allocate(TINY, alloc.pool_blocks),
-                         backend=boom)
+                         ForwardOptions(backend=boom))
     assert result.sampled.tolist() == [-1, -1, -1]
 
 

@@ -121,9 +121,8 @@ def test_backend_failure_half_way_restores_every_written_row(weights, monkeypatc
     before = _state(caches)
     real = prefill_module.run_forward
 
-    def fails_after_two_layers(*args, **kwargs):
-        kwargs = dict(kwargs, layers=[0, 1])
-        real(*args, **kwargs)  # really writes layer 0 and 1 caches
+    def fails_after_two_layers(batch, inputs, weights, caches, options):
+        real(batch, inputs, weights, caches, attrs.evolve(options, layers=[0, 1]))  # really writes layers 0 and 1
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(prefill_module, "run_forward", fails_after_two_layers)

@@ -14,9 +14,10 @@ import pytest
 
 from dspark_abi.presets import TINY
 from dspark_kernels import LayerCaches, attention
+from dspark_kernels.model.plan import IndexKeyPools
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
-from dspark_kernels.reference.indexer import index_query, lightning_topk
+from dspark_kernels.reference.indexer import IndexCandidates, index_query, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query
 
 from .conftest import build, hidden_rows, logical_rows, new_allocator, rel_err, sequence
@@ -73,8 +74,9 @@ def test_topk_sets_match_oracle(layer, tiny_weights, oracles):
     cos, sin = rope_at(TINY, "csa", pos)
     iq = index_query(low_rank_query(x, w, TINY.rms_norm_eps, "fp32"), x, w, cos, sin, TINY.index_n_heads,
                      TINY.index_weight_scale, "fp32")
-    top = lightning_topk(iq, pos, batch.row_request, batch.tables["idx"], caches.idx, caches.idx_scale,
-                         topk=TINY.index_topk, precision="fp32")
+    top = lightning_topk(iq, batch.row_request, IndexKeyPools(caches.idx, caches.idx_scale),
+                         IndexCandidates.lookup(pos, batch.row_request, batch.tables["idx"]), topk=TINY.index_topk,
+                         precision="fp32")
     for i in np.flatnonzero(batch.row_request >= 0):
         r, p = int(batch.row_request[i]), int(pos[i])
         want = results[(layer, r)].topk[p]

@@ -10,6 +10,7 @@ from tolerances import order_atol
 
 from dspark_abi.errors import ABIError
 from dspark_kernels.model.geometry import window_start_positions
+from dspark_kernels.model.plan import CompressorState, RopeRows
 from dspark_kernels.model.prepared import PreparedCompressor
 from dspark_kernels.reference.compressor import compress
 
@@ -48,8 +49,9 @@ def run(ratio, x, chunks, page, table, pool, w):
         req = np.zeros(hi - lo, np.int32)
         slots = table[0][pos // page].astype(np.int64) * page + pos % page
         ang = window_start_positions(pos, ratio).astype(np.float32)[:, None] * OMEGA[None, :]
-        b, e = compress(x[lo:hi], pos, req, slots, table, pool, w, np.cos(ang), np.sin(ang), page_size=page,
-                        eps=1e-6, precision="fp32")
+        state = CompressorState(pool=pool, slots=slots, table=table, table_row=req, page_size=page)
+        b, e = compress(x[lo:hi], pos, req, state, w, RopeRows(np.cos(ang), np.sin(ang)), eps=1e-6,
+                        precision="fp32")
         for i, row in zip(b, e, strict=True):
             entries[(lo + int(i) + 1) // ratio - 1] = row
     return entries
@@ -81,8 +83,8 @@ def test_ratio128_requires_mapped_history():
     before = pool.copy()
     cos = np.ones((1, RD // 2), np.float32)
     with pytest.raises(ABIError) as err:
-        compress(x, np.array([127]), np.array([0]), np.array([127]), table, pool, w, cos, 0 * cos,
-                 page_size=8, eps=1e-6, precision="fp32")
+        state = CompressorState(pool=pool, slots=np.array([127]), table=table, table_row=np.array([0]), page_size=8)
+        compress(x, np.array([127]), np.array([0]), state, w, RopeRows(cos, 0 * cos), eps=1e-6, precision="fp32")
     assert err.value.codes == {"coverage.unmapped"}
     np.testing.assert_array_equal(pool, before)
 
@@ -93,7 +95,9 @@ def test_padding_rows_write_nothing_and_produce_no_entry():
     pool = np.full((8, 4 * D), 3.0, np.float32)
     table = np.arange(4, dtype=np.int32)[None, :]
     cos = np.ones((4, RD // 2), np.float32)
-    b, e = compress(x, np.array([0, 1, 2, 3]), np.array([-1, -1, -1, -1]), np.full(4, -1), table, pool, w,
-                    cos, 0 * cos, page_size=2, eps=1e-6, precision="fp32")
+    padding = np.array([-1, -1, -1, -1])
+    state = CompressorState(pool=pool, slots=np.full(4, -1), table=table, table_row=padding, page_size=2)
+    b, e = compress(x, np.array([0, 1, 2, 3]), padding, state, w, RopeRows(cos, 0 * cos), eps=1e-6,
+                    precision="fp32")
     assert b.size == 0 and e.shape == (0, D)
     assert np.all(pool == 3.0)

@@ -12,9 +12,10 @@ from tolerances import assert_close, bf16_ulp, order_atol
 from dspark_abi.presets import TINY
 from dspark_kernels import AttentionWeights
 from dspark_kernels.model.numerics import bf16_round, int8_quantize
+from dspark_kernels.model.plan import IndexKeyPools
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.reference import sparse_attention as sparse_attention_module
-from dspark_kernels.reference.indexer import IndexerQuery, index_scores, lightning_topk
+from dspark_kernels.reference.indexer import IndexCandidates, IndexerQuery, index_scores, lightning_topk
 from dspark_kernels.reference.o_proj import output_projection
 from dspark_kernels.reference.projections import LowRankQuery
 from dspark_kernels.reference.sparse_attention import sparse_attention
@@ -58,7 +59,8 @@ def test_lightning_topk_uses_only_own_visible_entries():
     positions = np.array([2, 3, 9, 45, 0, 7, 140, 141])
     request = np.array([0, 0, 0, 0, 1, 1, 1, -1])
     iq = rng_query(t=8, dim=dim, seed=3)
-    top = lightning_topk(iq, positions, request, table, pool, scale, topk=k, precision="fp32")
+    top = lightning_topk(iq, request, IndexKeyPools(pool, scale), IndexCandidates.lookup(positions, request, table),
+                         topk=k, precision="fp32")
     for i in range(8):
         r, v = int(request[i]), (int(positions[i]) + 1) // 4
         if r < 0:
@@ -74,8 +76,8 @@ def test_lightning_topk_skips_unmapped_entries():
     iq = rng_query(t=1, dim=16)
     table = np.array([[0, -1]], np.int32)  # entries 32.. unmapped
     pool = np.ones((32, 16), np.float32)
-    top = lightning_topk(iq, np.array([199]), np.array([0]), table, pool, np.ones(32, np.float32), topk=64,
-                         precision="fp32")
+    top = lightning_topk(iq, np.array([0]), IndexKeyPools(pool, np.ones(32, np.float32)),
+                         IndexCandidates.lookup(np.array([199]), np.array([0]), table), topk=64, precision="fp32")
     assert set(top[0][top[0] >= 0].tolist()) == set(range(32))
 
 

@@ -50,9 +50,10 @@ from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model import quant
 from dspark_kernels.model.backends import backend_issues, resolve_backend
 from dspark_kernels.model.numerics import linear
+from dspark_kernels.model.plan import IndexKeyPools
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
-from dspark_kernels.reference.indexer import index_query, index_scores, lightning_topk
+from dspark_kernels.reference.indexer import IndexCandidates, index_query, index_scores, lightning_topk
 from dspark_kernels.reference.paged import gather_rows, request_rows
 from dspark_kernels.reference.projections import low_rank_query
 
@@ -378,7 +379,8 @@ def _library_topk(aw, batch, caches, x, r):
     iq = index_query(low_rank_query(x[rows], w, TINY.rms_norm_eps, "deepseek"), x[rows], w, cos, sin,
                      TINY.index_n_heads, TINY.index_weight_scale, "deepseek")
     req = batch.row_request[rows]
-    top = lightning_topk(iq, pos, req, batch.tables["idx"], caches.idx, caches.idx_scale, topk=TINY.index_topk,
+    top = lightning_topk(iq, req, IndexKeyPools(caches.idx, caches.idx_scale),
+                         IndexCandidates.lookup(pos, req, batch.tables["idx"]), topk=TINY.index_topk,
                          precision="deepseek")
     keys, _ = gather_rows(caches.idx, pool_rows(batch, r, "idx", LENGTHS[r] // 4))
     scores = index_scores(iq, keys, np.ones(keys.shape[0], np.float32), "deepseek")

@@ -10,7 +10,7 @@ from tolerances import forward_reductions, order_atol
 from dspark_abi import ABIError, PoolBlocks
 from dspark_abi.presets import DEMO, TINY
 from dspark_kernels.model.caches import ModelCaches
-from dspark_kernels.model.forward import run_forward
+from dspark_kernels.model.forward import WHOLE_GROUP, ForwardOptions, RankContext, run_forward
 from dspark_kernels.model.tp import run_tp_inprocess
 from dspark_kernels.model.weights import ModelWeights
 
@@ -34,7 +34,7 @@ def _close(got: np.ndarray, want: np.ndarray) -> None:
 
 def _run(s: Session, requests, **kw):
     b = s.batch(requests)
-    return b, run_forward(b, b.token_ids, s.weights, s.caches, precision=s.precision, **kw)
+    return b, run_forward(b, b.token_ids, s.weights, s.caches, ForwardOptions(precision=s.precision, **kw))
 
 
 def test_packed_equals_alone():
@@ -111,9 +111,9 @@ def test_layer_ranges_compose_and_callback():
     full = run_forward(b1, b1.token_ids, s1.weights, s1.caches)
     b2 = s2.batch([(0, 0, 130), (1, 0, 6)])
     seen: list[tuple[int, int]] = []
-    first = run_forward(b2, b2.token_ids, s2.weights, s2.caches, layers=[0, 1],
-                        on_layer=lambda d, t: seen.append((d, t)))
-    second = run_forward(b2, first.x_hc, s2.weights, s2.caches, layers=[2, 3])
+    first = run_forward(b2, b2.token_ids, s2.weights, s2.caches,
+                        ForwardOptions(layers=[0, 1], on_layer=lambda d, t: seen.append((d, t))))
+    second = run_forward(b2, first.x_hc, s2.weights, s2.caches, ForwardOptions(layers=[2, 3]))
     assert seen == [(1, 2), (2, 2)]
     np.testing.assert_array_equal(second.hidden, full.hidden)
     np.testing.assert_array_equal(second.logits, full.logits)
@@ -145,16 +145,19 @@ def test_bad_inputs_raise_and_touch_nothing():
         "token_range": dict(inputs=b.token_ids + TINY.vocab_size),
         "layers": dict(layers=[0, 7]),
         "logit_rows": dict(logit_rows=[130]),
-        "rank": dict(rank=1),
+        "rank": dict(tp=RankContext(1)),
+        "bool rank": dict(tp=RankContext(True)),  # the policy's rank bounds: a bool is no rank
     }
     want = {"weights": "config.mismatch", "caches": "config.mismatch", "precision": "config.mismatch",
             "rows": "geometry.rows", "hidden": "array.shape", "token_range": "token_ids.range",
-            "layers": "config.mismatch", "logit_rows": "logits.range", "rank": "rank.index"}
+            "layers": "config.mismatch", "logit_rows": "logits.range", "rank": "rank.index",
+            "bool rank": "rank.index"}
     for name, kw in cases.items():
         args = dict(inputs=b.token_ids, weights=s.weights, caches=s.caches) | kw
-        extra = {k: v for k, v in kw.items() if k not in ("inputs", "weights", "caches")}
+        extra = {k: v for k, v in kw.items() if k not in ("inputs", "weights", "caches", "tp")}
         with pytest.raises(ABIError) as err:
-            run_forward(b, args["inputs"], args["weights"], args["caches"], **extra)
+            run_forward(b, args["inputs"], args["weights"], args["caches"], ForwardOptions(**extra),
+                        tp=kw.get("tp", WHOLE_GROUP))
         assert want[name] in err.value.codes, (name, err.value.codes)
     for n, a in s.caches.arrays().items():
         assert np.array_equal(a, before[n]), n
@@ -169,3 +172,19 @@ def test_hash_layers_need_token_ids():
     with pytest.raises(ABIError) as err:
         run_forward(attrs.evolve(b, token_ids=None), hidden, tiny_weights(), s.caches)
     assert "array.missing" in err.value.codes
+
+
+def test_the_keywords_of_earlier_versions_still_work_with_a_warning():
+    """``run_forward(..., precision=, layers=, rank=, ...)`` keeps working for one minor version."""
+    new, old = Session(), Session()
+    b = new.batch([(0, 0, 9), (1, 0, 4)])
+    want = run_forward(b, b.token_ids, new.weights, new.caches, ForwardOptions(layers=[0, 1], logit_rows=[8]),
+                       tp=RankContext(None))
+    b_old = old.batch([(0, 0, 9), (1, 0, 4)])
+    with pytest.warns(DeprecationWarning, match="ForwardOptions"):
+        got = run_forward(b_old, b_old.token_ids, old.weights, old.caches, layers=[0, 1], logit_rows=[8], rank=None)
+    np.testing.assert_array_equal(got.logits, want.logits)
+    with pytest.raises(TypeError, match="either"):
+        run_forward(b, b.token_ids, new.weights, new.caches, ForwardOptions(), layers=[0])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        run_forward(b, b.token_ids, new.weights, new.caches, layer=[0])

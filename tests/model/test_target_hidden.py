@@ -11,7 +11,7 @@ from tolerances import assert_close, forward_reductions, order_atol
 
 from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_kernels import prefill
-from dspark_kernels.model.forward import run_forward
+from dspark_kernels.model.forward import ForwardOptions, run_forward
 from dspark_kernels.model.numerics import rms_norm
 from dspark_kernels.model.tp import run_tp_inprocess
 
@@ -34,7 +34,7 @@ def _session(**kw) -> Session:
 
 def _run(s: Session, requests, **kw):
     b = s.batch(requests)
-    return b, run_forward(b, b.token_ids, s.weights, s.caches, precision=s.precision, **kw)
+    return b, run_forward(b, b.token_ids, s.weights, s.caches, ForwardOptions(precision=s.precision, **kw))
 
 
 def _restated_hc_head(x_hc: np.ndarray, fn: np.ndarray, scale: float, base: np.ndarray, eps: float,

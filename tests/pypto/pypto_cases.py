@@ -111,13 +111,14 @@ def entry_rows_many(cases: list[tuple]) -> list[np.ndarray]:
 def compress_many(cases: list[tuple]) -> list[tuple]:
     """Per compress_into argument tuple (x, positions, request, slots, table, state, weights, cos, sin, page,
     eps, hadamard, ring = the state PoolLayout's is_ring): (boundary rows, outputs, state pool after the call)."""
+    from dspark_kernels.model.plan import CompressorState, RopeRows
     from dspark_kernels.pypto.compressor import compress_into
 
     out = []
     for x, pos, req, slots, table, state, weights, cos, sin, page, eps, hadamard, ring in cases:
         state = state.copy()
-        b, values = compress_into(x, pos, req, slots, table, state, weights, cos, sin, page_size=page, eps=eps,
-                                  ring=ring, hadamard=hadamard)
+        addressing = CompressorState(pool=state, slots=slots, table=table, table_row=req, page_size=page, ring=ring)
+        b, values = compress_into(x, pos, req, addressing, weights, RopeRows(cos, sin), eps=eps, hadamard=hadamard)
         out.append((b, values, state))
     return out
 
@@ -126,15 +127,17 @@ def indexer_many(cases: list[tuple]) -> list[np.ndarray]:
     """Per (positions, request, idx_table, lrq_q, lrq_scale, prepared weights, x, cos, sin, idx, idx_scale, heads,
     topk, weight_scale, rounds, ring = the idx PoolLayout's is_ring): candidates through the entry-rows kernel,
     then the indexer's top-k [T, k]."""
+    from dspark_kernels.model.plan import IndexKeyPools, RopeRows
     from dspark_kernels.pypto.entry_rows import run_entry_rows
-    from dspark_kernels.pypto.indexer import run_indexer
+    from dspark_kernels.pypto.indexer import IndexerWeights, run_indexer
 
     out = []
     for pos, req, table, qr_q, qr_scale, w, x, cos, sin, idx, idx_scale, heads, topk, weight_scale, rounds, ring \
             in cases:
         columns = max(1, int(np.where(req >= 0, (pos + 1) // 4, 0).max()))
         candidates = run_entry_rows(pos, req, table, None, ring=ring, ratio=4, columns=columns).values[-1]
-        out.append(run_indexer(qr_q, qr_scale, w.idx_wq_b, w.idx_wq_b_scale, x, w.idx_weights_proj, cos, sin,
-                               w.idx_hadamard, idx, idx_scale, candidates, heads=heads, topk=topk,
-                               weight_scale=weight_scale, rounds=rounds).values[-1])
+        weights = IndexerWeights(w.idx_wq_b, w.idx_wq_b_scale, w.idx_weights_proj, w.idx_hadamard, heads,
+                                 weight_scale)
+        out.append(run_indexer((qr_q, qr_scale), x, weights, RopeRows(cos, sin), IndexKeyPools(idx, idx_scale),
+                               candidates, topk=topk, rounds=rounds).values[-1])
     return out

@@ -40,6 +40,7 @@ from dspark_abi.layout import RATIO4_STATE_PAGE_SIZE, RATIO128_STATE_PAGE_SIZE, 
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.geometry import boundary_rows, window_positions, window_start_positions, window_state_rows
+from dspark_kernels.model.plan import CompressorState, RopeRows
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.pypto.isolate import run_isolated
@@ -69,6 +70,11 @@ def _setup(layer: int):
     return batch, w, caches, positions, cos, sin, hidden_rows(batch)
 
 
+def _state(pool: np.ndarray, slots: np.ndarray, table: np.ndarray, batch, page: int) -> CompressorState:
+    """The reference compressor's state addressing over a batch's own table (each row reads its request's row)."""
+    return CompressorState(pool=pool, slots=slots, table=table, table_row=batch.row_request, page_size=page)
+
+
 def _check_state(got: np.ndarray, want: np.ndarray, before: np.ndarray, slots: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=STATE_RTOL, atol=STATE_ATOL)
     untouched = np.setdiff1d(np.arange(len(before)), slots[slots >= 0])
@@ -87,8 +93,8 @@ def test_main_compressor_matches_reference(layer):
          None, ring)])
     assert ring
     ref_state = state.copy()
-    want_b, want = compress(x, positions, batch.row_request, slots, table, ref_state, w.compressor, cos, sin,
-                            page_size=page, eps=CONFIG.rms_norm_eps, precision="a2a3")
+    want_b, want = compress(x, positions, batch.row_request, _state(ref_state, slots, table, batch, page),
+                            w.compressor, RopeRows(cos, sin), eps=CONFIG.rms_norm_eps, precision="a2a3")
     np.testing.assert_array_equal(b, want_b)
     assert b.size >= (5 if main == "csa" else 2)  # the fixture's boundaries, including the fresh entry 0
     _check_state(new_state, ref_state, state, slots)
@@ -105,8 +111,11 @@ def test_indexer_key_compressor_matches_reference():
         (x, positions, batch.row_request, slots, table, state, w.idx_compressor, cos, sin, RATIO4_STATE_PAGE_SIZE,
          CONFIG.rms_norm_eps, w.idx_hadamard, CONFIG.layout.pools["csa_inner_state"].is_ring)])
     ref = caches.copy()
-    compress_index_keys(x, positions, batch.row_request, slots, table, ref.csa_inner_state, batch.slots["idx"],
-                        ref.idx, ref.idx_scale, w, cos, sin, eps=CONFIG.rms_norm_eps, precision="a2a3")
+    ref_b, keys = compress_index_keys(x, positions, batch.row_request,
+                                      _state(ref.csa_inner_state, slots, table, batch, RATIO4_STATE_PAGE_SIZE), w,
+                                      RopeRows(cos, sin), eps=CONFIG.rms_norm_eps, precision="a2a3")
+    np.testing.assert_array_equal(ref_b, b)
+    ref.idx[batch.slots["idx"][b]], ref.idx_scale[batch.slots["idx"][b]] = keys.keys, keys.scales
     _check_state(new_state, ref.csa_inner_state, state, slots)
     written = batch.slots["idx"][b]
     assert (written >= 0).all() and b.size >= 5
@@ -146,8 +155,8 @@ def test_compressor_reads_ring_state_tables_modulo_their_width(layer):
         (x, positions, batch.row_request, slots, t, state, w.compressor, cos, sin, pl.page_size, c.rms_norm_eps, None,
          ring) for t in (table, narrow)])
     ref_state = state.copy()
-    want_b, want = compress(x, positions, batch.row_request, slots, table, ref_state, w.compressor, cos, sin,
-                            page_size=pl.page_size, eps=c.rms_norm_eps, precision="a2a3")
+    want_b, want = compress(x, positions, batch.row_request, _state(ref_state, slots, table, batch, pl.page_size),
+                            w.compressor, RopeRows(cos, sin), eps=c.rms_norm_eps, precision="a2a3")
     written = slots[slots >= 0]
     for t, (got_b, (entries,), new_state) in zip((table, narrow), results, strict=True):
         what = f"{t.shape[1]}-column {pool} table"
@@ -161,7 +170,7 @@ def test_compressor_reads_ring_state_tables_modulo_their_width(layer):
     # one column off pools other slots into entries beyond the tolerance
     _, rows = window_state_rows(positions, batch.row_request, narrow, ratio, pl.page_size, b)
     assert (uncorrected_ring_rows(narrow, batch.row_request[b], window, pl.page_size) != rows).any()
-    _, wrong = compress(x, positions, batch.row_request, slots, rolled, state.copy(), w.compressor, cos, sin,
-                        page_size=pl.page_size, eps=c.rms_norm_eps, precision="a2a3")
+    _, wrong = compress(x, positions, batch.row_request, _state(state.copy(), slots, rolled, batch, pl.page_size),
+                        w.compressor, RopeRows(cos, sin), eps=c.rms_norm_eps, precision="a2a3")
     with pytest.raises(AssertionError):
         assert_close(results[0][1][0], wrong, _entry_atol(wrong))

@@ -8,6 +8,7 @@ import pytest
 
 from dspark_abi import ABIError
 from dspark_abi.presets import TINY_1M
+from dspark_kernels.model.plan import CompressorState, RopeRows
 from dspark_kernels.pypto.index_guard import FP32_EXACT_LIMIT, index_range_issues, table_issues
 
 WIDTH, PAGE = 8192, 32
@@ -117,9 +118,10 @@ def test_compressor_refuses_before_writing_the_state_ring(monkeypatch):
     before = ring.copy()
     weights = types.SimpleNamespace(ratio=4, dim=4)
     with pytest.raises(ABIError) as err:
-        compressor.compress_into(np.zeros((2, 8), np.float32), np.array([2, 3]), np.array([0, 0]),
-                                 np.array([2, 3]), _table(), ring, weights, np.zeros((2, 2)), np.zeros((2, 2)),
-                                 page_size=PAGE, eps=1e-6, ring=True)
+        state = CompressorState(pool=ring, slots=np.array([2, 3]), table=_table(), table_row=np.array([0, 0]),
+                                page_size=PAGE)
+        compressor.compress_into(np.zeros((2, 8), np.float32), np.array([2, 3]), np.array([0, 0]), state, weights,
+                                 RopeRows(np.zeros((2, 2)), np.zeros((2, 2))), eps=1e-6)
     assert err.value.codes == {"kernel.index_range"}
     assert err.value.issues[0].field == "state_table"
     np.testing.assert_array_equal(ring, before)  # nothing was written

@@ -15,10 +15,11 @@ from pypto_fixtures import CONFIG, SEED, assert_topk_sets_match, hidden_rows, lo
 from dspark_abi.layout import physical_rows
 from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.caches import LayerCaches
+from dspark_kernels.model.plan import IndexKeyPools
 from dspark_kernels.model.prepared import prepare_weights
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.pypto.isolate import run_isolated
-from dspark_kernels.reference.indexer import index_query, index_scores, lightning_topk
+from dspark_kernels.reference.indexer import IndexCandidates, index_query, index_scores, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query
 
 pytestmark = pytest.mark.pypto
@@ -58,8 +59,8 @@ def test_lightning_topk_matches_reference_as_sets():
         cos, sin = rope_at(CONFIG, "csa", pos, "a2a3")
         lrq = low_rank_query(x, w, CONFIG.rms_norm_eps, "a2a3")
         iq = index_query(lrq, x, w, cos, sin, CONFIG.index_n_heads, CONFIG.index_weight_scale, "a2a3")
-        want = lightning_topk(iq, pos, req, table, caches.idx, caches.idx_scale, topk=CONFIG.index_topk,
-                              precision="a2a3")
+        want = lightning_topk(iq, req, IndexKeyPools(caches.idx, caches.idx_scale),
+                              IndexCandidates.lookup(pos, req, table), topk=CONFIG.index_topk, precision="a2a3")
         expected.append((want, _reference_scores(iq, pos, req, table, caches)))
         cases.append((pos, req, table, lrq.qr_q, lrq.qr_scale, w, x, cos, sin, caches.idx, caches.idx_scale,
                       CONFIG.index_n_heads, CONFIG.index_topk, CONFIG.index_weight_scale, rounds, IDX_RING))
