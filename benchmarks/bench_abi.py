@@ -2,12 +2,17 @@
 
     python benchmarks/bench_abi.py            # both scenarios, 15 repeats
     python benchmarks/bench_abi.py --quick    # 3 repeats (smoke run)
+    python benchmarks/bench_abi.py --scenario persistent    # full vs persistent form only
 
 Scenario "1m": FLASH at 1,048,576 positions, N = 8192 new tokens over R = 64 continuing requests (ragged chunks,
 ragged cached contexts up to 1M), TP = 4. Scenario "16k": FLASH_16K, N = 8192 over R = 512 requests.
 Scenario "verify": FLASH-DSpark with K = 7 drafts (upstream's S = 8 lanes), R = 256 verify requests of 8 rows at
 ragged contexts up to 1M, TP = 4, alone and with 64 prefill rows of another request mixed in: build + validation +
 commit (with ragged accepted counts), beside the same step built as a 2048-token prefill.
+Scenario "persistent": the full form (1.2: build + StepValidator + commit) beside the persistent form (1.3:
+build_step, its incremental check, commit writing the delta in place) for those verify steps, the 1m and 16k
+prefill steps, and the verify step again with the context and every pool doubled (2M positions): bytes written per
+step and time, each beside its bandwidth floor.
 A "build" figure is one whole step of the serving loop's metadata: build (plan, assemble, validate) plus the
 commit that advances the allocator after the forward. Every figure is a median of repeated runs in this one
 process, printed beside the memory-bandwidth floor of the bytes it must write (those bytes / a large np.copyto's
@@ -212,6 +217,98 @@ def verify_scenario(config: ModelConfig, n_requests: int, width: int, mixed: int
     row("validate, full (stateless)", median_seconds(lambda: validate(batch), repeat), meta, bw, "(reads)")
 
 
+# ------------------------------------------------------------------------------------------------ full vs persistent
+class Serving:
+    """One step of a serving loop in both forms, from the same allocator state: R requests at ragged contexts up to
+    the config's depth (their history mapped and committed by an earlier one-token step), each adding ``rows``
+    (verify requests of ``rows`` rows with ``verify``, else prefill chunks of ragged lengths summing to
+    ``rows * R``), optionally with a prefill chunk of ``mixed`` rows of another request; pools sized for the
+    contexts times ``pool_scale``. The full form's figure is the serving loop of 1.2 (build + StepValidator +
+    commit), the persistent form's build_step (+ its incremental check) + commit; both get the requests as arrays
+    (add_verify_many / add_many), as an engine holds them."""
+
+    def __init__(self, config: ModelConfig, n_requests: int, rows: int, *, verify: bool, mixed: int = 0, tp: int = 4,
+                 pool_scale: int = 1, seed: int = 1):
+        rng = np.random.default_rng(seed)
+        self.config, self.policy, self.verify, self.mixed = config, PaddingPolicy(tp_size=tp), verify, mixed
+        if verify:
+            self.lengths = np.full(n_requests, rows, np.int64)
+            self.cached = rng.integers(2, config.max_position_embeddings - rows, n_requests)
+        else:
+            self.lengths, self.cached = ragged_step(config, rows * n_requests, n_requests, seed)
+        self.accepted = rng.integers(1, rows + 1, n_requests) if verify else self.lengths
+        self.tokens = rng.integers(0, config.vocab_size, int(self.lengths.sum()))
+        self.prefill_at = int(rng.integers(0, config.max_position_embeddings - mixed))
+        ends = np.concatenate([self.cached + self.lengths, [self.prefill_at + mixed]])
+        blocks = pool_blocks_for(config, ends, slack=64)
+        blocks = type(blocks)(**{p: blocks[p] * pool_scale for p in POOL_NAMES})
+        self.allocator = BlockAllocator(config, blocks, capacity=n_requests + 1)
+        warm = BatchBuilder(config, self.policy, self.allocator)
+        warm.add_many(np.arange(n_requests), self.cached - 1, np.ones(n_requests, np.int64))
+        warm.add(n_requests, num_cached=max(0, self.prefill_at - 1), num_new=1)
+        self.warm = warm.build()
+        warm.commit(self.warm)
+
+    def fresh(self) -> tuple[BlockAllocator, StepValidator]:
+        validator = StepValidator(self.config, self.policy, self.allocator.pool_blocks)
+        if not validator.validate(self.warm).ok:
+            raise SystemExit("the warm-up step is invalid")
+        return copy.deepcopy(self.allocator), validator
+
+    def step(self, state: tuple[BlockAllocator, StepValidator], form: str) -> Any:
+        allocator, validator = state
+        builder = BatchBuilder(self.config, self.policy, allocator, validator=validator if form == "full" else None)
+        r = self.cached.size
+        if self.verify:
+            builder.add_verify_many(np.arange(r), self.cached, self.lengths, self.tokens)
+        else:
+            builder.add_many(np.arange(r), self.cached, self.lengths, self.tokens)
+        if self.mixed:
+            builder.add(r, num_cached=self.prefill_at, num_new=self.mixed,
+                        token_ids=np.zeros(self.mixed, np.int64), logits="none")
+        built = builder.build() if form == "full" else builder.build_step()
+        accepted = np.concatenate([self.accepted, [self.mixed] * bool(self.mixed)]).astype(np.int64)
+        builder.commit(built, accepted=accepted)     # a step is build + validation + commit (after its forward)
+        return built
+
+
+def step_bytes(built: Any) -> int:
+    """Metadata bytes a step writes (its arrays; the persistent form: per-row arrays, slots and delta)."""
+    return int(built.nbytes) if hasattr(built, "table_slots") else sum(a.nbytes for a in built.to_arrays().values())
+
+
+def forms(label: str, serving: Serving, repeat: int, bw: float, goal_ms: float) -> dict[str, tuple[float, int]]:
+    """Both forms of one scenario side by side: median ms of build + validation + commit, bytes per step, each
+    beside the bandwidth floor of its bytes."""
+    out = {}
+    for form in ("full", "persistent"):
+        built = serving.step(serving.fresh(), form)
+        nbytes = step_bytes(built)
+        seconds = median_seconds(lambda st, f=form: serving.step(st, f), repeat, serving.fresh)
+        out[form] = (seconds, nbytes)
+        row(f"{label}, {form}", seconds, nbytes, bw, f"(goal <= {goal_ms:g} ms)" if form == "persistent" else "")
+    return out
+
+
+def persistent_scenarios(repeat: int, bw: float) -> None:
+    """The decode-rate goals: full vs persistent form, and the persistent step's cost when context and pools
+    double (it must stay flat)."""
+    k7 = FLASH_DSPARK.model_copy(update={"name": "flash-dspark-k7", "dspark_block_size": 7})   # S = 8 lanes
+    print("full (1.2: build + StepValidator + commit) vs persistent (1.3: build_step + check + commit), TP = 4:")
+    forms("verify R=256 x 8, contexts up to 1M", Serving(k7, 256, 8, verify=True), repeat, bw, 1)
+    forms("verify R=256 x 8 + 64 prefill rows", Serving(k7, 256, 8, verify=True, mixed=64), repeat, bw, 1.5)
+    forms("prefill 1M, N=8192, R=64", Serving(FLASH, 64, 128, verify=False), repeat, bw, 2)
+    forms("prefill 16K, N=8192, R=512", Serving(FLASH_16K, 512, 16, verify=False), repeat, bw, 2)
+    k7_2m = k7.model_copy(update={"name": "flash-dspark-k7-2m", "max_position_embeddings": 2 * 1048576})
+    print("persistent verify step (R=256 x 8) as context and pools double:")
+    for name, config, scale in (("1M context, pools x1", k7, 1), ("2M context, pools x2", k7_2m, 2)):
+        serving = Serving(config, 256, 8, verify=True, pool_scale=scale)
+        built = serving.step(serving.fresh(), "persistent")
+        held = sum(t.nbytes for t in serving.allocator.persistent.tables.values()) / 2**20
+        row(f"{name}", median_seconds(lambda st, s=serving: s.step(st, "persistent"), repeat, serving.fresh),
+            step_bytes(built), bw, f"(tables {held:.0f} MiB held, not copied)")
+
+
 def allocator_construction(config: ModelConfig, requests: int, repeat: int, bw: float) -> None:
     blocks = pool_blocks_for(config, [config.max_position_embeddings] * requests)
     probe = BlockAllocator(config, blocks, capacity=requests)
@@ -245,8 +342,8 @@ def held_blocks(config: ModelConfig, chunk: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 repeats instead of 15")
-    ap.add_argument("--scenario", choices=["1m", "16k", "verify", "both", "all"], default="all",
-                    help="both = 1m and 16k; all = 1m, 16k and verify")
+    ap.add_argument("--scenario", choices=["1m", "16k", "verify", "persistent", "both", "all"], default="all",
+                    help="both = 1m and 16k; all = 1m, 16k, verify and persistent (full vs persistent form)")
     args = ap.parse_args()
     repeat = 3 if args.quick else 15
     bw = bandwidth()
@@ -261,6 +358,8 @@ def main() -> None:
         k7 = FLASH_DSPARK.model_copy(update={"name": "flash-dspark-k7", "dspark_block_size": 7})   # S = 8 lanes
         for mixed in (0, 64):
             verify_scenario(k7, 256, 8, mixed, 4, repeat, bw)
+    if args.scenario in ("persistent", "all"):
+        persistent_scenarios(repeat, bw)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,11 @@ from dspark_abi.layout import (
     POOL_NAMES,
     PoolLayout,
     PoolName,
-    live_pages,
     live_range,
     page_span,
     table_column,
-    touched_pages,
 )
+from dspark_abi.persistent import PersistentTables, narrow_tables, step_widths
 from dspark_abi.pools import PoolBlocks
 
 Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -97,16 +96,27 @@ class BlockAllocator:
         self._top: dict[str, int] = {p: self.pool_blocks[p] for p in POOL_NAMES}
         self._free: dict[str, np.ndarray] = {p: np.arange(self.pool_blocks[p] - 1, -1, -1, dtype=np.int32)
                                              for p in POOL_NAMES}
-        self._tables = {p: np.full((capacity, self.layout.pools[p].ring_width), -1, np.int32) for p in POOL_NAMES}
+        # the tables, one row ("slot") per request, live in the persistent form (spec 5.9) and are written in place;
         # the logical pages a request holds are always one run [first, end) (ring pools recycle its front)
-        self._first = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
-        self._end = {p: np.zeros(capacity, np.int64) for p in POOL_NAMES}
+        self._persistent = PersistentTables(config, self.pool_blocks, capacity)
+        self._alias_persistent()
         self._row_of: dict[int, int] = {}
         self._cached: dict[int, int] = {}
         self._spare_rows: list[int] = list(range(capacity - 1, -1, -1))
         self._lock = threading.RLock()
         self._generation = 0          # advanced by every commit and release; plans record it
         self._token = object()        # identifies this allocator's plans
+
+    def _alias_persistent(self) -> None:
+        """The allocator writes the persistent tables' own dictionaries (one home for tables and runs)."""
+        self._tables = self._persistent._tables
+        self._first, self._end = self._persistent._first, self._persistent._end
+
+    @property
+    def persistent(self) -> PersistentTables:
+        """The persistent block tables (spec 5.9): one row per request slot, updated in place by every commit and
+        release; readers get read-only views. Steps of ``BatchBuilder.build(form="persistent")`` refer to them."""
+        return self._persistent
 
     @property
     def lock(self) -> threading.RLock:
@@ -120,8 +130,9 @@ class BlockAllocator:
         plans made on the original are stale for the copy and vice versa."""
         with self._lock:
             clone = copy.copy(self)
-            for name in ("_free", "_top", "_tables", "_first", "_end", "_row_of", "_cached", "_spare_rows"):
+            for name in ("_free", "_top", "_persistent", "_row_of", "_cached", "_spare_rows"):
                 setattr(clone, name, copy.deepcopy(getattr(self, name), memo))
+            clone._alias_persistent()
         clone._lock = threading.RLock()
         clone._token = object()
         return clone
@@ -209,29 +220,8 @@ class BlockAllocator:
         window = self.config.sliding_window
         with self._lock:
             self._check_current(plan)
-            rows, out = plan.rows, {}
-            for p in POOL_NAMES:
-                pl, full = self.layout.pools[p], self._tables[p]
-                width = max(1, int(live_pages(pl, starts, ends, window).max(initial=0)))
-                if fixed_ring and pl.is_ring:
-                    width = pl.ring_width
-                elif ring_floor and pl.is_ring:
-                    width = min(pl.ring_width, max(width, ring_floor.get(p, 0)))
-                m_rows, m_pages, m_blocks = plan.map_cells[p]
-                at, found = _positions(rows, m_rows)
-                pages, blocks = m_pages[found], m_blocks[found]
-                if pl.is_ring:      # re-lay the live pages from the allocator's ring width to this step's
-                    req, page = touched_pages(pl, starts, ends, window)
-                    table = np.full((rows.size, width), -1, dtype=np.int32)
-                    table[req, table_column(pl, page, width)] = full[rows[req], table_column(pl, page, full.shape[1])]
-                    first, _ = page_span(*live_range(pl, starts, ends, window), pl.page_size)
-                    live = (ends[at] > starts[at]) & (pages >= first[at])               # new pages it reads
-                else:
-                    table = full[:, :width][rows]
-                    live = pages < width                                            # empty requests' history
-                table[at[live], table_column(pl, pages[live], width)] = blocks[live]
-                out[p] = table
-            return out
+            widths = step_widths(self.layout, window, starts, ends, fixed_ring=fixed_ring, ring_floor=ring_floor)
+            return narrow_tables(self.layout, window, self._tables, plan.rows, starts, ends, widths, plan.map_cells)
 
     # ------------------------------------------------------------------ planning
     def plan(self, request_ids: Sequence[int], starts: np.ndarray, ends: np.ndarray) -> StepPlan:
@@ -292,11 +282,11 @@ class BlockAllocator:
         below = np.clip(np.minimum(b, first) - a, 0, None)          # [a, min(b, first)): before the held run
         start_above = np.maximum(a, end)
         above = np.clip(b - start_above, 0, None)                   # [max(a, end), b): past the held run
-        owner_lo, page_lo = expand_ranges(a, below)
-        owner_hi, page_hi = expand_ranges(start_above, above)
-        owner = np.concatenate([owner_lo, owner_hi])
-        page = np.concatenate([page_lo, page_hi])
-        if owner_lo.size:                                           # rare: keep request-major order
+        owner, page = expand_ranges(start_above, above)
+        if below.any():                                             # rare: pages before the run, request-major order
+            owner_lo, page_lo = expand_ranges(a, below)
+            owner = np.concatenate([owner_lo, owner])
+            page = np.concatenate([page_lo, page])
             order = np.argsort(owner, kind="stable")
             owner, page = owner[order], page[order]
         return rows[owner], page
@@ -367,6 +357,8 @@ class BlockAllocator:
             self._first[p][plan.rows], self._end[p][plan.rows] = plan.mapped[p]
         for r, end in zip(plan.request_ids, plan.ends.tolist(), strict=True):
             self._cached[r] = int(end)
+        self._persistent._record(plan.rows, np.array(plan.request_ids, np.int64), plan.map_cells,
+                                 plan.release_cells)
 
     def release(self, request_id: int) -> None:
         """Return every block of ``request_id`` to the free lists and forget it."""
@@ -385,21 +377,13 @@ class BlockAllocator:
             top = self._top[p]
             self._free[p][top: top + held.size] = np.sort(held)[::-1]
             self._top[p] = top + held.size
-            table_row[:] = -1
-            self._first[p][row] = self._end[p][row] = 0
+        self._persistent.release(row)       # clears the row and its run, advances the slot's generation
         self._spare_rows.append(row)
 
     def _grow(self, needed: int) -> None:  # called by plan, under the lock
-        old = next(iter(self._tables.values())).shape[0]
+        old = self._persistent.slots
         new = max(needed, 2 * old)
-        for p in POOL_NAMES:
-            grown = np.full((new, self._tables[p].shape[1]), -1, np.int32)
-            grown[:old] = self._tables[p]
-            self._tables[p] = grown
-            for runs in (self._first, self._end):
-                run = np.zeros(new, np.int64)
-                run[:old] = runs[p]
-                runs[p] = run
+        self._persistent.grow(new)
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
 
 

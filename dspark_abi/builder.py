@@ -32,11 +32,12 @@ import attrs
 import numpy as np
 
 from dspark_abi.allocator import BlockAllocator, StepPlan
-from dspark_abi.batch import PackedBatch
+from dspark_abi.batch import PackedBatch, SlotMappings
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.incremental import Proposal, StepValidator
 from dspark_abi.layout import POOL_NAMES, physical_rows, verify_headroom, written_logical
+from dspark_abi.persistent import DeltaCells, PersistentStep, check_step, step_widths, written_slots
 from dspark_abi.policy import PaddingPolicy
 from dspark_abi.pools import SLOT_FIELDS, TABLE_FIELDS
 from dspark_abi.requests import BatchRequests, implied_logit_rows
@@ -77,7 +78,7 @@ class _Built:
     """What committing one built batch needs: the batch (weakly: a dropped batch is forgotten), its allocator
     plan and its step validator's proposal (None without a validator)."""
 
-    batch: weakref.ref[PackedBatch]
+    batch: weakref.ref[PackedBatch] | weakref.ref[PersistentStep]
     plan: StepPlan
     proposal: Proposal | None
 
@@ -91,6 +92,7 @@ class _Many:
     num_new: Any
     token_ids: Any
     logits: Any = "last"
+    verify: bool = False        # add_verify_many(): verify requests (num_new holds their widths)
 
 
 _INT64 = (-(2**63), 2**63 - 1)
@@ -202,7 +204,8 @@ class BatchBuilder:
         # add() / add_verify() arguments as given (with the intent: "last", "none" or "verify") / add_many() calls
         self._pending: list[tuple[Any, Any, Any, Any, Any] | _Many] = []
         self._built: dict[int, _Built] = {}          # id(batch) -> its commit, for the batches not committed yet
-        self._committed: dict[int, weakref.ref[PackedBatch]] = {}   # batches committed (to report a 2nd commit)
+        # batches committed (to report a 2nd commit)
+        self._committed: dict[int, weakref.ref[PackedBatch] | weakref.ref[PersistentStep]] = {}
 
     def add(self, request_id: int, num_cached: int, num_new: int, token_ids: Sequence[int] | np.ndarray | None = None,
             *, logits: Literal["last", "none"] = "last") -> None:
@@ -258,6 +261,25 @@ class BatchBuilder:
         """
         self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(num_new), _copy(token_ids), logits))
 
+    def add_verify_many(self, request_ids: Sequence[int] | np.ndarray, num_cached: Sequence[int] | np.ndarray,
+                        widths: Sequence[int] | np.ndarray, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Queue many verify requests at once from 1-D integer arrays (the engine's form; checked vectorized by
+        ``build()``, like :meth:`add_verify`'s one by one): request r has ``widths[r]`` rows (its anchor, then
+        ``widths[r] - 1`` drafts) after ``num_cached[r]`` committed tokens; ``token_ids`` holds ``sum(widths)`` ids,
+        request after request. The arguments are copied.
+
+        >>> from dspark_abi import BlockAllocator, PaddingPolicy, PoolBlocks
+        >>> from dspark_abi.presets import TINY_DSPARK
+        >>> builder = BatchBuilder(TINY_DSPARK, PaddingPolicy(), BlockAllocator(TINY_DSPARK, PoolBlocks.uniform(64)))
+        >>> builder.add_many([0, 1], [0, 0], [5, 3], [1, 2, 3, 4, 5, 6, 7, 8])
+        >>> builder.commit(builder.build())
+        >>> builder.add_verify_many([0, 1], [5, 3], [2, 1], [9, 10, 11])
+        >>> builder.build().requests.verify_width.tolist()
+        [2, 1]
+        """
+        self._pending.append(_Many(_copy(request_ids), _copy(num_cached), _copy(widths), _copy(token_ids),
+                                   "verify", verify=True))
+
     def clear(self) -> None:
         """Drop the queued requests."""
         self._pending.clear()
@@ -282,7 +304,36 @@ class BatchBuilder:
         self._pending.clear()
         return batch
 
-    def commit(self, batch: PackedBatch, accepted: Sequence[int] | np.ndarray | None = None) -> None:
+    def build_step(self, *, logit_rows: str | Sequence[int] | None = "last") -> PersistentStep:
+        """The queued requests' step in the persistent form (spec 5.9): what :meth:`build` gives, but instead of
+        copying ``[R, w]`` block tables it carries each request's slot in the allocator's persistent tables
+        (:attr:`BlockAllocator.persistent`), the slots' generations and the cells the step maps and releases.
+        Checked against the persistent tables incrementally (O(cells changed + R + rows)); ``commit(step)``
+        writes the delta into them in place. ``step.to_full(alloc.persistent)`` is exactly :meth:`build`'s batch.
+
+        >>> from dspark_abi import BlockAllocator, PaddingPolicy, PoolBlocks
+        >>> from dspark_abi.presets import TINY
+        >>> alloc = BlockAllocator(TINY, PoolBlocks.uniform(64))
+        >>> builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
+        >>> builder.add(0, num_cached=0, num_new=40)
+        >>> step = builder.build_step()
+        >>> step.table_slots.tolist(), step.mapped.ori.tolist()      # slot, page, block
+        ([0], [[0, 0, 0], [0, 1, 1]])
+        >>> builder.commit(step)
+        >>> alloc.persistent.table("ori")[0, :3].tolist()
+        [0, 1, -1]
+        """
+        step, rows = self._check_specs(list(self._pending), logit_rows)
+        with self.allocator.lock:       # the plan and the persistent tables it is checked against stay one state
+            plan = self.allocator.plan(step.ids.tolist(), step.cached, step.cached + step.new)
+            built = self._assemble_step(step, plan, rows)
+        self._forget_dropped()
+        self._built[id(built)] = _Built(weakref.ref(built), plan, None)
+        self._pending.clear()
+        return built
+
+    def commit(self, batch: PackedBatch | PersistentStep, accepted: Sequence[int] | np.ndarray | None = None
+               ) -> None:
         """Advance every request of ``batch`` (built by this builder) by its committed rows: the allocator maps the
         step's pages, recycles the ring pages out of reach and counts the rows as cached; the builder's step
         validator takes the step as the baseline of the next one. Call it after the batch's forward.
@@ -345,7 +396,12 @@ class BatchBuilder:
             parts.append(part)
             token_parts.append(tokens)
             kind = entry.logits if isinstance(entry, _Many) else entry[4]
-            known = isinstance(kind, str) and kind in _MODE and not (isinstance(entry, _Many) and kind == "verify")
+            many_verify = isinstance(entry, _Many) and entry.verify
+            known = isinstance(kind, str) and kind in _MODE and \
+                (not isinstance(entry, _Many) or (kind == "verify") == many_verify)
+            if isinstance(entry, _Many) and entry.verify and entry.token_ids is None:
+                _bad(issues, index, "token_ids", "verify requests need their token ids [anchor, drafts...]",
+                     "1-D integer sequence", "None", _IDS_FIX)
             if not known:
                 _bad(issues, index, "logits", f"logits must be 'last' or 'none', got {_short(kind)}",
                      "'last' or 'none'", _short(kind), _LOGITS_FIX)
@@ -541,11 +597,42 @@ class BatchBuilder:
                                 fix=f"verify at most {max(0, max_pos - int(cached[i]))} tokens after "
                                     f"num_cached={int(cached[i])}"))
 
-    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None,
-                  proposals: list[Proposal | None]) -> PackedBatch:
-        layout, policy = self.config.layout, self.policy
+    def _assemble_step(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None
+                       ) -> PersistentStep:
+        """The persistent form: slots read from the persistent tables with the plan's delta, no table copied."""
+        layout, policy, persistent = self.config.layout, self.policy, self.allocator.persistent
+        requests, qsl, n, p_rows, row_request, pos, positions, token_ids, rows = self._rows(step, logit_rows)
+        starts, ends = step.cached, step.cached + step.new
+        widest = int(step.verify_width.max(initial=0)) if step.verify_width is not None else 0
+        floor = {pl.name: verify_headroom(pl, widest) for pl in layout} if widest else None
+        widths = step_widths(layout, self.config.sliding_window, starts, ends, fixed_ring=self.fixed_ring,
+                             ring_floor=floor)
+        written = written_slots(layout, persistent, plan.rows[row_request], pos, plan.map_cells, plan.release_cells)
+        slots = {}
+        for p in POOL_NAMES:
+            s = np.full(p_rows, policy.pad_slot, dtype=np.int64)
+            s[:n] = written[p]
+            slots[p] = s
+        table_slots = plan.rows.astype(np.int32)
+        built = PersistentStep(
+            config=self.config, policy=policy, pool_blocks=self.allocator.pool_blocks, query_start_loc=qsl,
+            positions=positions, slots=SlotMappings(**slots), table_slots=table_slots,
+            slot_generations=persistent.generations[plan.rows],
+            table_widths=np.array([widths[p] for p in POOL_NAMES], np.int32),
+            mapped=DeltaCells.from_cells(plan.map_cells), released=DeltaCells.from_cells(plan.release_cells),
+            request_ids=step.ids, token_ids=token_ids, logit_rows=rows,
+            verify_widths=requests.verify_width if step.declares_intent else None,
+            logit_mode=requests.logit_mode if step.declares_intent else None, requests=requests)
+        check_step(built, persistent, derived=True).raise_if_invalid()
+        return built
+
+    def _rows(self, step: StepRequests, logit_rows: str | np.ndarray | None) -> tuple[
+            BatchRequests, np.ndarray, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None,
+            np.ndarray | None]:
+        """The per-row arrays both forms share: (requests, query_start_loc [R+1], N, P, row_request [N] intp,
+        pos [N] int64, positions [P] int32, token_ids [P] int64 | None, logit rows | None)."""
+        policy = self.policy
         starts, lengths = step.cached, step.new
-        # a str is "last" (anything else was refused by _check_specs)
         intent = step.declares_intent
         requests = BatchRequests.from_step(step.ids, starts, lengths, logit_rows,
                                            step.verify_width if intent else None,
@@ -560,6 +647,21 @@ class BatchBuilder:
         positions = np.empty(p_rows, dtype=np.int32)
         positions[:n] = pos
         positions[n:] = policy.padding_positions(pos[-1] if n else 0, p_rows - n)
+        token_ids = None
+        if step.token_ids is not None:
+            token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
+            token_ids[:n] = step.token_ids
+        # 'last' (a str): the rows each request's intent implies
+        rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode) \
+            if isinstance(logit_rows, str) else logit_rows
+        return requests, qsl, n, p_rows, row_request, pos, positions, token_ids, rows
+
+    def _assemble(self, step: StepRequests, plan: StepPlan, logit_rows: str | np.ndarray | None,
+                  proposals: list[Proposal | None]) -> PackedBatch:
+        layout, policy = self.config.layout, self.policy
+        starts, lengths = step.cached, step.new
+        intent = step.declares_intent
+        requests, qsl, n, p_rows, row_request, pos, positions, token_ids, rows = self._rows(step, logit_rows)
 
         # tables as narrow as the step's widest live range: O(R * pages used), not O(R * max positions)
         widest = int(step.verify_width.max(initial=0)) if step.verify_width is not None else 0
@@ -573,13 +675,6 @@ class BatchBuilder:
             s[:n] = physical_rows(tables[p], row_request, written_logical(pl, pos), pl.page_size, ring=pl.is_ring)
             slots[p] = s
 
-        token_ids = None
-        if step.token_ids is not None:
-            token_ids = np.full(p_rows, policy.pad_token_id, dtype=np.int64)
-            token_ids[:n] = step.token_ids
-        # 'last' (a str): the rows each request's intent implies
-        rows = implied_logit_rows(requests.row_start, requests.row_end, requests.logit_mode) \
-            if isinstance(logit_rows, str) else logit_rows
         arrays = {"query_start_loc": qsl, "positions": positions, "request_ids": step.ids}
         if intent:
             arrays |= {"verify_widths": requests.verify_width, "logit_mode": requests.logit_mode}

@@ -42,6 +42,21 @@ CODES: dict[str, tuple[str, str]] = {
                            "use -1 for unmapped pages and block ids in [0, pool_blocks)"),
     "pools.blocks": ("pool block counts are missing, not integers, not positive or too large for int32 slots",
                      "give each of the seven pools an integer count of blocks in [1, (2**31 - 1) // page_size]"),
+    # ---- persistent tables and step deltas (spec 1.3, section 5.9)
+    "tables.slot": ("a table slot is outside the persistent tables or two requests of the step share one",
+                    "give each request the slot the allocator holds for it (BatchBuilder.build(form='persistent'))"),
+    "tables.stale_slot": ("a request's slot was released or recycled since the step was built (its generation is "
+                          "not the slot's current one) or the slot is held by another request",
+                          "build the step again against the current persistent tables"),
+    "tables.persistent": ("the persistent tables break their invariant: a block held twice or out of range, a "
+                          "mapped cell outside its slot's run or an unmapped one inside it, a free slot holding pages",
+                          "rebuild the tables from the allocator; never write them except by applying step deltas"),
+    "delta.mapped": ("a mapped cell of a step delta is malformed: not a slot of the step, a page out of range, a "
+                     "block out of range or held by another cell, or the slot's pages not one run after the step",
+                     "map only free blocks (or blocks the same delta releases) on the pages right after (or, for a "
+                     "new request, at) its run"),
+    "delta.released": ("a released cell of a step delta does not hold the block it names or is not at the front "
+                       "of its slot's run", "release only the front pages a slot holds, with the blocks they hold"),
     # ---- positions
     "positions.negative": ("a live position is negative", "positions are absolute in-request indices >= 0"),
     "positions.not_contiguous": ("positions inside a request are not start, start+1, ...",

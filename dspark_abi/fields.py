@@ -185,6 +185,39 @@ TABLE_FIELDS: dict[PoolName, str] = {p: f.name for p, f in TABLE_SPECS.items()}
 SLOT_FIELDS: dict[PoolName, str] = {p: f.name for p, f in SLOT_SPECS.items()}
 
 
+# ------------------------------------------------------------------------------------------------ the persistent form
+def _delta(pool: PoolName, kind: Literal["mapped", "released"]) -> FieldSpec:
+    what = "maps (the page was unmapped, the block free or released by this very delta)" if kind == "mapped" else \
+        "releases (the cell holds the block; the front pages of the slot's run)"
+    return FieldSpec(f"{pool}_table_{kind}", "int32", (f"M_{pool}" if kind == "mapped" else f"K_{pool}", "3"), None,
+                     "replicated", True, "1.3", f"rows (slot, logical page, block) of the `{pool}` cells the step "
+                     f"{what}; the column is the page's column in the persistent table (section 5.1)", "–",
+                     pool=pool)
+
+
+#: Per pool, the cells a persistent step maps (``[M_pool, 3]`` int32 rows (slot, page, block)).
+MAPPED_SPECS: dict[PoolName, FieldSpec] = {p: _delta(p, "mapped") for p in POOL_NAMES}
+#: Per pool, the cells a persistent step releases (``[K_pool, 3]`` int32 rows (slot, page, block)).
+RELEASED_SPECS: dict[PoolName, FieldSpec] = {p: _delta(p, "released") for p in POOL_NAMES}
+#: The fields a persistent step (spec 1.3, section 5.9) carries instead of the seven block tables, in ABI order;
+#: every field of :data:`BATCH_FIELDS` but the tables comes with them unchanged.
+PERSISTENT_FIELDS: tuple[FieldSpec, ...] = (
+    FieldSpec("table_slots", "int32", ("R",), None, "replicated", True, "1.3",
+              "slot (row) of request r in every persistent table; pairwise distinct", "–"),
+    FieldSpec("slot_generations", "int64", ("R",), None, "replicated", True, "1.3",
+              "generation of that slot the step was built against (advanced whenever the slot is released)", "–"),
+    FieldSpec("table_widths", "int32", ("7",), None, "replicated", True, "1.3",
+              "columns of each pool's table in the step's full form, pools in ABI order (`to_full`)", "–"),
+    *MAPPED_SPECS.values(),
+    *RELEASED_SPECS.values(),
+)
+#: The per-row and per-request fields a persistent step shares with the full form (every batch field but the tables).
+SHARED_FIELDS: tuple[FieldSpec, ...] = tuple(f for f in BATCH_FIELDS if f.family != "tables")
+#: Markers around the generated table of the persistent fields in spec/v1/abi.md section 5.9.
+PERSISTENT_BEGIN = ("<!-- persistent fields table: generated from dspark_abi.fields "
+                    "(python -m dspark_abi.io.spec_table) -->")
+PERSISTENT_END = "<!-- end of persistent fields table -->"
+
 # ------------------------------------------------------------------------------------------------ the spec's table
 #: Markers around the generated table in spec/v1/abi.md section 4.1.
 TABLE_BEGIN = "<!-- fields table: generated from dspark_abi.fields (python -m dspark_abi.io.spec_table) -->"
@@ -206,10 +239,16 @@ def field_table(fields: tuple[FieldSpec, ...] = FIELDS) -> str:
 
 
 def with_field_table(text: str, fields: tuple[FieldSpec, ...] = FIELDS) -> str:
-    """``text`` (the spec) with the table between :data:`TABLE_BEGIN` and :data:`TABLE_END` regenerated."""
-    head, sep, rest = text.partition(TABLE_BEGIN + "\n")
-    _, sep2, tail = rest.partition(TABLE_END)
+    """``text`` (the spec) with the tables between :data:`TABLE_BEGIN` and :data:`TABLE_END` (``fields``) and between
+    :data:`PERSISTENT_BEGIN` and :data:`PERSISTENT_END` (:data:`PERSISTENT_FIELDS`) regenerated."""
+    text = _with_table(text, TABLE_BEGIN, TABLE_END, field_table(fields))
+    return _with_table(text, PERSISTENT_BEGIN, PERSISTENT_END, field_table(PERSISTENT_FIELDS))
+
+
+def _with_table(text: str, begin: str, end: str, table: str) -> str:
+    head, sep, rest = text.partition(begin + "\n")
+    _, sep2, tail = rest.partition(end)
     if not sep or not sep2:
-        raise ValueError(f"the spec lacks the markers {TABLE_BEGIN!r} ... {TABLE_END!r}")
-    return head + TABLE_BEGIN + "\n" + field_table(fields) + TABLE_END + tail
+        raise ValueError(f"the spec lacks the markers {begin!r} ... {end!r}")
+    return head + begin + "\n" + table + end + tail
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dspark_abi.fields import FIELDS
+from dspark_abi.fields import FIELDS, PERSISTENT_FIELDS
 from dspark_abi.io.manifest import FORMAT_VERSION, FixtureManifest
 
 #: Where the schema lives in a source checkout.
@@ -28,11 +28,13 @@ def build_schema() -> dict[str, Any]:
 
     ``x-dspark-fields`` lists the declaration of every ABI field (:data:`dspark_abi.fields.FIELDS`: tensor name,
     dtype, symbolic shape, padding, scope, required, since); ``tensors`` admits exactly their names and
-    ``extra.``-prefixed ones.
+    ``extra.``-prefixed ones. ``x-dspark-persistent-fields`` lists those a persistent step (spec 5.9) carries
+    instead of the block tables (:data:`dspark_abi.fields.PERSISTENT_FIELDS`).
     """
     schema = FixtureManifest.model_json_schema(mode="validation")
     return {"$schema": JSON_SCHEMA_DIALECT, "x-dspark-format-version": FORMAT_VERSION,
-            "x-dspark-fields": [f.as_json() for f in FIELDS], **schema}
+            "x-dspark-fields": [f.as_json() for f in FIELDS],
+            "x-dspark-persistent-fields": [f.as_json() for f in PERSISTENT_FIELDS], **schema}
 
 
 def render() -> str:

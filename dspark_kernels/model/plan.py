@@ -51,6 +51,7 @@ import numpy as np
 from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
 from dspark_abi.config import LayerKind
 from dspark_abi.layout import physical_rows, visible_entries
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_kernels.model.geometry import (
     INDEX_RATIO,
     boundary_rows,
@@ -271,6 +272,18 @@ class BatchPlan:
                    run_stops=_frozen(run_stops), run_requests=_frozen(run_requests), boundaries=boundaries,
                    visible=visible, window=window, entry_rows=entry_rows, state_windows=state_windows, rope=rope,
                    window_rope=window_rope)
+
+    @classmethod
+    def from_step(cls, step: PersistentStep, tables: PersistentTables, *, rank: int | None = None,
+                  precision: str = "fp32") -> BatchPlan:
+        """The plan of a persistent step (spec 5.9): the kernels read ``tables`` (the persistent tables, every slot,
+        read-only views) at ``table_row = table_slots[request]``. ``tables`` must hold the step's delta, as a device
+        mirror does after ``tables.apply(step)`` (or the allocator's own tables after ``commit``). The per-row arrays
+        and the request record come from ``step.to_full(tables)`` (validated); its narrow tables are not read.
+        Raises :class:`ABIError` as :meth:`build` and as ``to_full`` (``tables.stale_slot``, ...)."""
+        batch = step.to_full(tables)
+        return cls.build(batch, rank=rank, precision=precision, tables=tables.tables,
+                         request_table_row=step.table_slots)
 
     # ------------------------------------------------------------------ geometry
     @property

@@ -22,6 +22,9 @@ API_ONLY_CODES = {"pools.blocks", "rank.index", "rank.replicated_mismatch", "ran
                   "capability.pool_size", "capability.index_overflow", "capability.table_depth",
                   # a rule of BatchBuilder.commit's arguments, not of a batch
                   "commit.accepted",
+                  # rules of the persistent form (spec 5.9): its own vectors, spec/v1/vectors-persistent/
+                  # (tests/abi/test_persistent.py), a full-form fixture cannot carry persistent tables
+                  "tables.slot", "tables.stale_slot", "tables.persistent", "delta.mapped", "delta.released",
                   # the DSpark drafter's API (dspark_kernels.drafter), not a batch
                   "drafter.config", "drafter.gap", "drafter.unknown_request",
                   "capability.token_cap"}
