@@ -425,14 +425,23 @@ WITHOUT_SPECULATION = ("run without the DSpark drafter: a test drafter (dspark g
                        "--drafter random) or plain greedy decoding (speculative.greedy_decode)")
 
 
-def checkpoint_drafter_issues(folder: str | Path) -> list[Issue]:
-    """``array.missing`` when the checkpoint in ``folder`` holds no DSpark drafter tensors (``mtp.*``; headers
-    only are read): the message names what is missing and how to run without speculation."""
+def checkpoint_drafter_issues(folder: str | Path, config: ModelConfig | None = None) -> list[Issue]:
+    """The DSpark drafter's tensors in the checkpoint in ``folder``: ``array.missing`` when it holds no ``mtp.*``
+    tensor at all (the message names what is missing and how to run without speculation); with ``config``, every
+    missing, mis-shaped or mis-stored drafter tensor (``DrafterWeights.from_safetensors``'s issues: shapes, FP8 /
+    FP4 formats and their block scales)."""
+    from dspark_kernels.model.drafter_weights import DrafterWeights
     from dspark_kernels.model.shard_index import read_header
 
     shards = sorted(Path(folder).glob("*.safetensors"))
     names = [n for shard in shards for n in read_header(shard)[0]]
     if any(n.startswith(DRAFTER_PREFIX) for n in names):
+        if config is None:
+            return []
+        try:
+            DrafterWeights.from_safetensors(folder, config)
+        except ABIError as exc:
+            return list(exc.issues)
         return []
     return [Issue("array.missing", f"{DRAFTER_PREFIX}*", f"the checkpoint holds no DSpark drafter tensors "
                   f"({DRAFTER_PREFIX}*: main_proj, the draft stages, the Markov and confidence heads; shards 46-48 "
@@ -443,7 +452,7 @@ def checkpoint_drafter_issues(folder: str | Path) -> list[Issue]:
 
 def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafter | ConditionedDrafter, K: int, *,
                      adaptive: float | None = None, min_drafts: int = 1, features: str = "mean",
-                     allow_hc_head: bool = False) -> list[Issue]:
+                     allow_hc_head: bool = False, checkpoint: str | Path | None = None) -> list[Issue]:
     """Every problem of a speculative deployment, before the first step: one coded :class:`Issue` each, [] when
     the deployment is sound. Nothing is computed or changed.
 
@@ -453,7 +462,9 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
     * ``K`` drafts per step not above ``dspark_block_size`` (``verify.drafts``; drafts past the trained block
       are noise: :data:`BLOCK_SIZE_EVIDENCE`), ``min_drafts`` within ``[0, K]`` and a finite ``adaptive``
       threshold (``config.invalid``); an adaptive width needs a conditioned drafter (its confidence head);
-    * the drafter's window ring (``window_rows``, when the drafter exposes it) at least ``sliding_window`` rows;
+    * the drafter's window ring (``rings.window``, when the drafter has rings) at least ``sliding_window`` rows;
+    * with ``checkpoint`` (a folder): its drafter tensors present, of the right shapes and stored formats
+      (:func:`checkpoint_drafter_issues`);
     * the noise token a vocabulary id (``token_ids.range``);
     * the feature reduction: ``"mean"`` (DeepSeek's, what the drafter was trained on); ``"hc_head"`` (upstream
       pypto-lib's) only with ``allow_hc_head=True`` (``config.invalid``).
@@ -493,11 +504,13 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
             issues.append(Issue("config.invalid", "adaptive", "an adaptive width needs a drafter with a "
                                 "confidence head (a ConditionedDrafter)", expected="a ConditionedDrafter",
                                 actual=type(drafter).__name__, fix="use a fixed K with this drafter"))
-    window = getattr(drafter, "window_rows", None)
+    window = getattr(getattr(drafter, "rings", None), "window", None)
     if conditioned and isinstance(window, int) and window < config.sliding_window:
-        issues.append(Issue("config.invalid", "window_rows", "the drafter's window ring holds fewer rows than the "
+        issues.append(Issue("config.invalid", "rings.window", "the drafter's window ring holds fewer rows than the "
                             "window its attention reads", expected=f">= {config.sliding_window}", actual=window,
                             fix="size the drafter's window ring to sliding_window rows per draft stage"))
+    if checkpoint is not None:
+        issues += checkpoint_drafter_issues(checkpoint, config)
     noise = getattr(config, "dspark_noise_token_id", 0)
     if not 0 <= noise < config.vocab_size:
         issues.append(Issue("token_ids.range", "dspark_noise_token_id", "the drafter's noise token is not a "
@@ -551,6 +564,11 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                    "tp": (tp, 1), "min_drafts": (min_drafts, 0)})
     issues = check_deployment(cfg, weights, drafter, K, adaptive=adaptive, min_drafts=min_drafts,
                               features=features, allow_hc_head=allow_hc_head)
+    if cached is not None and any(cached) and isinstance(drafter, ConditionedDrafter):
+        issues.append(Issue("config.invalid", "cached", "a drafter that conditions on the target observes every "
+                            "committed row from position 0; rows cached before the loop were never shown to it",
+                            expected="no cached rows", actual=[int(c) for c in cached],
+                            fix="prefill the whole prompt in the loop (cached=None)"))
     if issues:   # refused up front, not at the first step with drafts
         raise ABIError(issues)
     tokens, done = _prompts(prompts, cached, cfg.vocab_size, cfg.max_position_embeddings)
@@ -581,7 +599,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                 builder.add(i, num_cached=done[i], num_new=chunks[i],
                             token_ids=tokens[i][fed[i]: fed[i] + chunks[i]], logits="last" if final else "none")
             room = [min(K, max_new_tokens - len(generated[i]) - 1, limit - done[i] - 1) for i in live]
-            drafts = _drafts(drafter, conditioned, live, tokens, generated, done, room, K, adaptive, min_drafts)
+            drafts = _drafts(drafter, conditioned, live, tokens, generated, done, room, K, adaptive, min_drafts,
+                             cfg)
             verify_inputs = [np.concatenate([[generated[i][-1]], d]) for i, d in zip(live, drafts, strict=True)]
             for i, ids in zip(live, verify_inputs, strict=True):
                 builder.add_verify(i, num_cached=done[i], token_ids=ids)
@@ -632,16 +651,27 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
 
 def _drafts(drafter: Drafter | ConditionedDrafter, conditioned: ConditionedDrafter | None, live: list[int],
             tokens: list[np.ndarray], generated: list[list[int]], done: list[int], room: list[int], K: int,
-            adaptive: float | None, min_drafts: int) -> list[np.ndarray]:
-    """The drafts of the step's verifying requests ``live``: at most ``room[k]`` each (int64)."""
+            adaptive: float | None, min_drafts: int, config: ModelConfig) -> list[np.ndarray]:
+    """The drafts of the step's verifying requests ``live``: at most ``room[k]`` each (int64). A conditioned
+    drafter drafts (one packed call) for the requests with room for a draft whose block of ``dspark_block_size``
+    rows fits before the position limit; the others verify their anchor alone."""
     if not live:
         return []
     if conditioned is not None:
-        block = conditioned.draft(live, np.array([generated[i][-1] for i in live], np.int64),
-                                  np.array([done[i] for i in live], np.int64))
-        widths = np.minimum(draft_widths(block.confidence, K, adaptive, min_drafts), np.asarray(room, np.int64))
-        drafted = np.asarray(block.tokens, dtype=np.int64)
-        return [drafted[k, : int(w)] for k, w in enumerate(widths)]
+        # a block that fits before the position limit, for requests that may still take a draft
+        limit = config.max_position_embeddings
+        asks = [k for k, i in enumerate(live) if room[k] > 0 and done[i] + config.dspark_block_size <= limit]
+        out = [np.zeros(0, np.int64) for _ in live]
+        if asks:
+            block = conditioned.draft([live[k] for k in asks], np.array([generated[live[k]][-1] for k in asks],
+                                                                         np.int64),
+                                      np.array([done[live[k]] for k in asks], np.int64))
+            widths = np.minimum(draft_widths(block.confidence, K, adaptive, min_drafts),
+                                np.asarray(room, np.int64)[asks])
+            drafted = np.asarray(block.tokens, dtype=np.int64)
+            for j, (k, w) in enumerate(zip(asks, widths, strict=True)):
+                out[k] = drafted[j, : int(w)]
+        return out
     if not isinstance(drafter, Drafter):      # check_deployment's protocols: one of the two
         raise ABIError([Issue("config.invalid", "drafter", "the drafter has neither propose() nor observe(), "
                               "draft() and release()", expected="a Drafter or a ConditionedDrafter",

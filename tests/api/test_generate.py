@@ -22,6 +22,7 @@ from tolerances import assert_close, order_atol
 from dspark_abi import ABIError, BlockAllocator, ModelConfig
 from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.presets import TINY, TINY_DSPARK
+from dspark_kernels.drafter import DSparkDrafter
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.speculative import (
@@ -236,9 +237,14 @@ def test_a_config_without_target_layers_cannot_feed_a_drafter():
 
 def test_a_narrow_window_ring_is_refused(weights):
     double = Conditioned({})
-    double.window_rows = CFG.sliding_window - 1   # type: ignore[attr-defined]
+    double.rings = type("Rings", (), {"window": CFG.sliding_window - 1})()   # type: ignore[attr-defined]
     issues = check_deployment(CFG, weights, double, B)
-    assert [(i.code, i.field) for i in issues] == [("config.invalid", "window_rows")]
+    assert [(i.code, i.field) for i in issues] == [("config.invalid", "rings.window")]
+
+
+def test_cached_rows_cannot_feed_a_conditioned_drafter(weights):
+    issues = refused(weights, Conditioned({}), cached=[3]).issues
+    assert [(i.code, i.field) for i in issues] == [("config.invalid", "cached")]
 
 
 def test_every_failure_is_reported_at_once(weights):
@@ -263,3 +269,51 @@ def test_a_checkpoint_without_drafter_tensors_names_them_and_the_way_out(tmp_pat
     assert "replay" in issues[0].fix and "greedy" in issues[0].fix
     save_file({"mtp.0.norm.weight": np.zeros(2, np.float32)}, str(tmp_path / "model-00002.safetensors"))
     assert checkpoint_drafter_issues(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------- the DSpark drafter
+class Spied(DSparkDrafter):
+    """The DSpark drafter, recording the requests it is told to release."""
+
+    released: list[int]
+
+    def release(self, request_ids) -> None:
+        super().release(request_ids)
+        self.released = [*getattr(self, "released", []), *request_ids]
+
+
+def dspark(weights: ModelWeights, tp: int = 1, mode: str = "single") -> Spied:
+    return Spied.random(CFG, weights, seed=5, tp=tp,                          # type: ignore[return-value]
+                        tp_mode="threads" if mode == "threads" else "single")
+
+
+@pytest.mark.parametrize("tp,mode", [(1, "single"), (2, "threads")])
+def test_dspark_drafter_yields_plain_greedy_tokens(weights, tp, mode):
+    """The golden property with the DSpark drafter (random TINY-DSpark weights), packed with prefill chunks; every
+    request released once."""
+    reference = plain(weights, tp, mode)
+    drafter = dspark(weights, tp, mode)
+    got = generate(prompts(), weights, drafter, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK)
+    assert not assert_same_tokens(got, reference)
+    assert any(s.mixed for s in got.steps)
+    assert sorted(drafter.released) == list(range(len(prompts())))
+
+
+def test_dspark_drafter_adaptive_width(weights):
+    reference = plain(weights, 1, "single")
+    got = generate(prompts(), weights, dspark(weights), NEW_TOKENS, B, adaptive=0.0, min_drafts=0,
+                   prefill_chunk=CHUNK)
+    assert not assert_same_tokens(got, reference)
+    assert got.summary()["verify_requests"] > 0
+
+
+@pytest.mark.distributed
+def test_dspark_drafter_on_rank_processes(weights):
+    """TP 2 with one process per target rank (the drafter runs on the host): tokens equal threads' plain run."""
+    short = [prompts()[0], prompts()[1][:9]]
+    from dspark_kernels.speculative import greedy_decode
+
+    reference = greedy_decode(short, weights, 4, tp=2, tp_mode="threads")
+    got = generate(short, weights, dspark(weights), 4, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
+    for i, tokens in reference.tokens.items():
+        np.testing.assert_array_equal(got.tokens[i], tokens)
