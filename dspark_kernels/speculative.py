@@ -523,7 +523,8 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
         issues.append(Issue("config.invalid", "features", "the drafter would be fed the hc_head reduction of the "
                             "target features; the checkpoint's drafter was trained on their mean (DeepSeek's "
                             "h.mean(dim=2))", expected="mean", actual="hc_head",
-                            fix="feed the mean (the default), or pass allow_hc_head=True to feed hc_head knowingly"))
+                            fix="feed the mean (the default), or pass allow_hc_head=True (dspark generate "
+                            "--allow-hc-head) to feed hc_head knowingly"))
     own = getattr(drafter, "deployment_issues", None)
     if conditioned and callable(own):
         issues += list(own(config))
