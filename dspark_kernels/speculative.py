@@ -23,6 +23,7 @@ verify width is fixed (``K``) or adaptive from the drafter's confidence head (:f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -643,9 +644,11 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                                     seconds=time.perf_counter() - t0))
             if on_step is not None:
                 on_step(steps[-1], runner.caches)
-    finally:
+    except BaseException:
         if conditioned is not None and observed:   # a failed step must not leave the drafter holding state
-            conditioned.release(sorted(observed))
+            with contextlib.suppress(Exception):     # the step's own error is the one to report
+                conditioned.release(sorted(observed))
+        raise
     return GenerateResult(tokens={i: np.asarray(g[:max_new_tokens], np.int64) for i, g in enumerate(generated)},
                           accepted_lengths=lengths, steps=steps, caches=runner.caches, allocator=alloc)
 

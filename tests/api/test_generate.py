@@ -336,3 +336,18 @@ def test_dspark_drafter_near_the_position_limit():
     assert_same_tokens(got, reference)
     last = [v for s in got.steps for v in s.verify if v.request_id == 0][-1]
     assert last.position + last.width <= 128
+
+
+def test_a_failed_step_releases_the_drafter_state(weights):
+    """A step that fails (here: on_step raising after the second commit) leaves no request held by the drafter."""
+    double = Conditioned(streams(plain(weights, 1, "single")))
+    seen = []
+
+    def fail(record, caches) -> None:
+        seen.append(record)
+        if len(seen) == 2:
+            raise RuntimeError("the scheduler stopped")
+
+    with pytest.raises(RuntimeError, match="scheduler"):
+        generate(prompts(), weights, double, NEW_TOKENS, B, prefill_chunk=CHUNK, on_step=fail)
+    assert sorted(double.released) == sorted(double.seen) and double.seen
