@@ -116,10 +116,10 @@ class ModelConfig(StrictModel):
     drafter (a verify request is then its anchor alone). Omitted from dumps when 0."""
     dspark_noise_token_id: int = Field(default=0, ge=0, exclude_if=lambda t: not t)
     """The token id filling the DSpark drafter's block after its anchor (``dspark_noise_token_id``; 128799 for
-    DeepSeek-V4-Flash-DSpark); must be a vocabulary id. Omitted from dumps when 0."""
-    dspark_markov_rank: int = Field(default=0, ge=0, exclude_if=lambda r: not r)
-    """Width r of the drafter's Markov head (``dspark_markov_rank``; 256 for DeepSeek-V4-Flash-DSpark); 0 without
-    a drafter. Omitted from dumps when 0."""
+    DeepSeek-V4-Flash-DSpark; DeepSeek's default 0); must be a vocabulary id. Omitted from dumps when 0."""
+    dspark_markov_rank: int = Field(default=256, ge=1, exclude_if=lambda r: r == 256)
+    """Width r of the drafter's Markov head (``dspark_markov_rank``; 256 for DeepSeek-V4-Flash-DSpark and
+    DeepSeek's default). Omitted from dumps when 256."""
     n_mtp_layers: int = Field(default=3, ge=1, exclude_if=lambda n: n == 3)
     """Draft stages of the DSpark drafter (``n_mtp_layers``; 3 for DeepSeek-V4-Flash-DSpark), each a V4 block
     with sliding-window attention. Omitted from dumps when 3."""
@@ -258,7 +258,7 @@ class ModelConfig(StrictModel):
             "dspark_target_layers": take("dspark_target_layer_ids", default=[]),
             "dspark_block_size": take("dspark_block_size", default=0),
             "dspark_noise_token_id": take("dspark_noise_token_id", default=0),
-            "dspark_markov_rank": take("dspark_markov_rank", default=0),
+            "dspark_markov_rank": take("dspark_markov_rank", default=256),
             "n_mtp_layers": take("n_mtp_layers", default=3) or 3,
         }
         if issues:

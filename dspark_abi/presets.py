@@ -60,10 +60,9 @@ FLASH_DSPARK = FLASH.model_copy(update={"name": "flash-dspark", "dspark_target_l
                                         "dspark_block_size": 5, "dspark_noise_token_id": 128799,
                                         "dspark_markov_rank": 256, "n_mtp_layers": 3})
 #: TINY with the same shape of drafter features: its last three layers; blocks of 3 drafts (verify width <= 4).
-#: Its drafter: 3 stages, a Markov head of rank 16, the last vocabulary id as noise token.
+#: Its drafter: 3 stages of TINY's sizes, FLASH's Markov rank 256, noise token 0 (DeepSeek's defaults).
 TINY_DSPARK = TINY.model_copy(update={"name": "tiny-dspark", "dspark_target_layers": (1, 2, 3),
-                                      "dspark_block_size": 3, "dspark_noise_token_id": 1023,
-                                      "dspark_markov_rank": 16, "n_mtp_layers": 3})
+                                      "dspark_block_size": 3})
 
 PRESETS: dict[str, ModelConfig] = {"flash": FLASH, "flash-16k": FLASH_16K, "flash-dspark": FLASH_DSPARK,
                                    "demo": DEMO, "tiny": TINY, "tiny-1m": TINY_1M, "tiny-dspark": TINY_DSPARK}

@@ -41,13 +41,14 @@ from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
 from dspark_kernels.model.numerics import Precision, bf16_round, check_precision, linear, narrow, rms_norm
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.rope import rope_at
-from dspark_kernels.model.tp import ThreadGroup
+from dspark_kernels.model.tp import ThreadGroup, torch_all_gather
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.reference.draft_attention import block_attention, context_keys
 
 #: ``all_gather(local [L, ...]) -> [TP * L, ...]`` (rank-major), as the target's layers use.
 AllGather = Callable[[np.ndarray], np.ndarray]
-TpMode = Literal["single", "threads"]
+TpMode = Literal["single", "threads", "distributed"]
+TP_MODES: tuple[TpMode, ...] = ("single", "threads", "distributed")
 
 
 @attrs.frozen(eq=False)
@@ -69,6 +70,18 @@ def _share(rows: int, tp: int, rank: int) -> slice:
     return slice(min(rank * per, rows), min((rank + 1) * per, rows))
 
 
+def _process_group_rank(tp: int) -> tuple[int, AllGather]:
+    """This process's rank and the all-gather of the initialised ``torch.distributed`` group of ``tp`` ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != tp:
+        raise ABIError([Issue("config.invalid", "tp_mode", "tp_mode 'distributed' runs inside an initialised "
+                              "torch.distributed group of tp processes", expected=tp,
+                              actual=dist.get_world_size() if dist.is_initialized() else "not initialised",
+                              fix="initialise the process group (e.g. under torchrun) or use tp_mode 'threads'")])
+    return dist.get_rank(), torch_all_gather()
+
+
 def _gather_rows(local: np.ndarray, rows: int, tp: int, all_gather: AllGather | None) -> np.ndarray:
     """All ranks' shares [<= L, ...] padded to L = ceil(rows / tp), gathered rank-major, cut to ``rows``."""
     if all_gather is None or tp == 1:
@@ -86,7 +99,9 @@ class DSparkDrafter:
     :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
     precision: ``"fp32"`` (default) or ``"deepseek"``; tp / tp_mode: the TP group size and how its ranks run
     (``"single"``: one process computes the whole group; ``"threads"``: one thread per rank, all-gathers in
-    memory, every rank holding replicated rings).
+    memory; ``"distributed"``: this process is one rank of an initialised ``torch.distributed`` group of ``tp``
+    processes, each holding its own drafter and calling the same methods with the same arguments, all-gathers
+    through the process group). Every rank holds replicated rings.
     """
 
     def __init__(self, config: ModelConfig, weights: DrafterWeights, target: ModelWeights, *,
@@ -96,9 +111,9 @@ class DSparkDrafter:
         if weights.config != config or target.config != config:
             issues.append(Issue("config.mismatch", "weights", "drafter and target weights must be of the config",
                                 expected=config.name, actual=[weights.config.name, target.config.name]))
-        if tp < 1 or tp_mode not in ("single", "threads"):
-            issues.append(Issue("config.invalid", "tp", "tp is a group size >= 1 run as 'single' or 'threads'",
-                                expected="tp >= 1, tp_mode in ['single', 'threads']", actual=[tp, tp_mode]))
+        if tp < 1 or tp_mode not in TP_MODES:
+            issues.append(Issue("config.invalid", "tp", "tp is a group size >= 1 run in one of the TP modes",
+                                expected=f"tp >= 1, tp_mode in {list(TP_MODES)}", actual=[tp, tp_mode]))
         if issues:
             raise ABIError(issues)
         self.config, self.weights, self.target = config, weights, target
@@ -197,29 +212,32 @@ class DSparkDrafter:
             raise ABIError([Issue("array.shape", "anchors", "one anchor and one anchor position per request",
                                   expected=[len(request_ids)], actual=[list(anchors.shape), list(at.shape)])])
         expected = self.rings.last[slots] + 1
+        ids = [int(r) for r in request_ids]
         issues += [Issue("drafter.gap", "anchor_positions", "the anchor must follow the last observed row", index=i,
-                         request=int(request_ids[i]), expected=int(expected[i]), actual=int(at[i]),
+                         request=ids[i], expected=int(expected[i]), actual=int(at[i]),
                          fix="observe every committed row before drafting")
-                   for i in np.flatnonzero(at != expected)]
-        issues += [Issue("token_ids.range", "anchors", "anchors must be vocabulary ids", index=int(i),
-                         request=int(request_ids[i]), expected=f"[0, {c.vocab_size})", actual=int(anchors[i]))
-                   for i in np.flatnonzero((anchors < 0) | (anchors >= c.vocab_size))]
+                   for i in np.flatnonzero(at != expected).tolist()]
+        issues += [Issue("token_ids.range", "anchors", "anchors must be vocabulary ids", index=i,
+                         request=ids[i], expected=f"[0, {c.vocab_size})", actual=int(anchors[i]))
+                   for i in np.flatnonzero((anchors < 0) | (anchors >= c.vocab_size)).tolist()]
         issues += [Issue("positions.out_of_range", "anchor_positions", "the block's rows pass the position limit",
-                         index=int(i), request=int(request_ids[i]), expected=f"<= {c.max_position_embeddings - b}",
-                         actual=int(at[i])) for i in np.flatnonzero(at + b > c.max_position_embeddings)]
+                         index=i, request=ids[i], expected=f"<= {c.max_position_embeddings - b}",
+                         actual=int(at[i])) for i in np.flatnonzero(at + b > c.max_position_embeddings).tolist()]
         if issues:
             raise ABIError(issues)
         if anchors.size == 0:
             return DraftOutput(np.zeros((0, b), np.int64), np.zeros((0, b), np.float32))
         if self.tp == 1 or self.tp_mode == "single":
             return self._draft_rank(slots, anchors, at, None, None)
+        if self.tp_mode == "distributed":
+            return self._draft_rank(slots, anchors, at, *_process_group_rank(self.tp))
         group = ThreadGroup(self.tp)
         results: list[DraftOutput | BaseException | None] = [None] * self.tp
 
         def run(rank: int) -> None:
             try:
                 results[rank] = self._draft_rank(slots, anchors, at, rank, group.gatherer(rank))
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, peers released
+            except BaseException as exc:
                 results[rank] = exc
                 group.abort()
 
@@ -271,7 +289,8 @@ class DSparkDrafter:
         """[R*B, V] fp32 LM-head logits (the target's head; vocabulary shards gathered under TP)."""
         head, v = self.target.head().head, self.config.vocab_size
         if rank is None or all_gather is None or self.tp == 1:
-            return hidden @ head.T
+            full: np.ndarray = hidden @ head.T
+            return full
         width = vocab_shard_width(v, self.tp)
         shard = np.full((hidden.shape[0], width), -np.inf, np.float32)
         part = hidden @ head[vocab_shard(v, self.tp, rank)].T

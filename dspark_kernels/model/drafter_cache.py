@@ -10,6 +10,7 @@ field       shape            dtype    meaning (padding)
 ``last``    [C]              int64    last committed position written for the slot (-1 = none / free)
 ==========  ===============  =======  ================================================================
 
+Sized by :func:`dspark_kernels.memory.drafter_ring_bytes` (``nbytes`` equals it for the slots allocated).
 A request gets a slot on its first :meth:`observe`; :meth:`release` frees it. Rows are checked before any is
 written: a request's rows must continue its history (first position = last + 1, then ascending by one; a new
 request starts at 0), else ``drafter.gap`` and nothing changes. Only the last W rows of a call reach the ring
@@ -24,11 +25,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig
-
-
-def ring_bytes(config: ModelConfig, requests: int) -> int:
-    """Bytes of the rings of ``requests`` requests (float32 rows of ``head_dim``), the drafter's window cache."""
-    return config.n_mtp_layers * requests * config.sliding_window * config.head_dim * 4 + requests * 8
 
 
 class DrafterRings:

@@ -48,7 +48,8 @@ _LAST_STAGE_GLOBALS = ("norm.weight", "hc_head_fn", "hc_head_scale", "hc_head_ba
 
 
 def drafter_issues(config: ModelConfig) -> list[Issue]:
-    """``drafter.config`` issues of a config that cannot run the DSpark drafter (empty = it can)."""
+    """``drafter.config`` issues of a config that cannot run the DSpark drafter (empty = it can): no block size, no
+    target layers, or a noise token outside the vocabulary (the Markov rank is always >= 1)."""
     out = []
     if not config.dspark_block_size:
         out.append(Issue("drafter.config", "dspark_block_size", "the config has no DSpark drafter (block size 0)",
@@ -56,14 +57,16 @@ def drafter_issues(config: ModelConfig) -> list[Issue]:
     if not config.dspark_target_layers:
         out.append(Issue("drafter.config", "dspark_target_layers", "the drafter needs target layers",
                          expected="e.g. [40, 41, 42]", actual=[], fix="set dspark_target_layer_ids"))
-    if not config.dspark_markov_rank:
-        out.append(Issue("drafter.config", "dspark_markov_rank", "the drafter's Markov head needs a rank",
-                         expected=">= 1", actual=0, fix="set dspark_markov_rank (256 for V4-Flash-DSpark)"))
     if not 0 <= config.dspark_noise_token_id < config.vocab_size:
         out.append(Issue("drafter.config", "dspark_noise_token_id", "the noise token must be a vocabulary id",
                          expected=f"[0, {config.vocab_size})", actual=config.dspark_noise_token_id,
                          fix="copy dspark_noise_token_id from the checkpoint's config.json"))
     return out
+
+
+def has_drafter(config: ModelConfig) -> bool:
+    """Whether ``config`` describes a DSpark drafter (no :func:`drafter_issues`)."""
+    return not drafter_issues(config)
 
 
 def stage_config(config: ModelConfig) -> ModelConfig:
@@ -76,7 +79,7 @@ def stage_config(config: ModelConfig) -> ModelConfig:
     return config.model_copy(update={
         "name": f"{config.name}-drafter", "compress_ratios": (0,) * config.n_mtp_layers,
         "moe": config.moe.model_copy(update={"num_hash_layers": 0}), "dspark_target_layers": (),
-        "dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_markov_rank": 0})
+        "dspark_block_size": 0, "dspark_noise_token_id": 0})
 
 
 def draft_layout(config: ModelConfig) -> DraftLayout:
@@ -123,14 +126,21 @@ class DrafterRandomSource(RandomSource):
     def seed_name(self, name: str) -> str:
         return name if name in self.own else checkpoint_name(name, self.stages)
 
+    def load_checkpoint_name(self, name: str) -> np.ndarray:
+        """The value of checkpoint tensor ``name`` (``mtp.*``; a stage tensor or one of the drafter's own)."""
+        view = name if name in self.own else _view_name(name, self.stages)
+        if view is None:
+            raise KeyError(f"{name} is not a tensor of the drafter")
+        return self.load(view)
+
 
 class _Renamed(ShardIndex):
     """A :class:`ShardIndex` whose tensors are another's under the stage view's names (headers shared, nothing
     read); every reader of the target's loader then works on it unchanged."""
 
-    def __init__(self, shards: ShardIndex, stages: int):  # noqa: D107 - not ShardIndex's constructor on purpose
+    def __init__(self, shards: ShardIndex, stages: int):
         self.unreadable = []
-        stored = getattr(shards, "_stored")
+        stored = shards._stored
         self._stored = {}
         for name, st in stored.items():
             base = name.removesuffix(".scale")
@@ -194,6 +204,13 @@ class DrafterWeights:
         a drafter: run without speculation)."""
         stage_cfg = stage_config(config)
         shards = ShardIndex(paths if isinstance(paths, str | Path) else [Path(p) for p in paths])
+        if not any(n.startswith("mtp.") for n in shards.names):
+            raise WeightsError([Issue("array.missing", "mtp.*", "the checkpoint holds no DSpark drafter tensors",
+                                      expected=f"{config.n_mtp_layers} draft stages (mtp.0 .. mtp."
+                                      f"{config.n_mtp_layers - 1})", actual="no mtp.* tensor",
+                                      fix="run without speculation (no drafter), or add the drafter's shards "
+                                      "(46-48 of DeepSeek-V4-Flash-DSpark)")],
+                               config_name=f"{config.name} drafter", required=1)
         own = extra_formats(config, QuantFormat(quantized=True))
         report = shards.validate(own)
         try:
