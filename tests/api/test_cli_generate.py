@@ -159,3 +159,12 @@ def test_installed_command_usage_error():
 def test_speculate_still_runs(capsys):
     assert main(["speculate", "--prompt", "5", "--max-new-tokens", "3", "--drafter", "random"]) == 0
     assert "mean accepted length" in capsys.readouterr().out
+
+
+def test_checkpoint_drafter_gives_the_greedy_tokens(capsys, checkpoint: Path):
+    """The checkpoint's own drafter (mtp.* as the synthetic writer stores them: FP8 / FP4 with block scales)
+    drafts; the tokens are those of the replay run, which reproduces plain greedy decoding."""
+    dspark = run_json(capsys, "--checkpoint", str(checkpoint), *SHORT, "--adaptive", "0")
+    replay = run_json(capsys, "--checkpoint", str(checkpoint), *SHORT, "--drafter", "replay")
+    assert [r["tokens"] for r in dspark["requests"]] == [r["tokens"] for r in replay["requests"]]
+    assert dspark["verify_requests"] > 0
