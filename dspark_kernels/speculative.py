@@ -512,7 +512,7 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
                             fix="size the drafter's window ring to sliding_window rows per draft stage"))
     if checkpoint is not None:
         issues += checkpoint_drafter_issues(checkpoint, config)
-    noise = getattr(config, "dspark_noise_token_id", 0)
+    noise = config.dspark_noise_token_id
     if not 0 <= noise < config.vocab_size:
         issues.append(Issue("token_ids.range", "dspark_noise_token_id", "the drafter's noise token is not a "
                             "vocabulary id", expected=f"[0, {config.vocab_size})", actual=noise,

@@ -168,3 +168,14 @@ def test_checkpoint_drafter_gives_the_greedy_tokens(capsys, checkpoint: Path):
     replay = run_json(capsys, "--checkpoint", str(checkpoint), *SHORT, "--drafter", "replay")
     assert [r["tokens"] for r in dspark["requests"]] == [r["tokens"] for r in replay["requests"]]
     assert dspark["verify_requests"] > 0
+
+
+def test_a_checkpoint_config_with_a_foreign_noise_token_is_one_line(capsys, checkpoint: Path, tmp_path: Path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in checkpoint.iterdir():
+        (bad / f.name).symlink_to(f)
+    (bad / "config.json").unlink()
+    config = json.loads((checkpoint / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "dspark_noise_token_id": TINY_DSPARK.vocab_size}))
+    assert "dspark_noise_token_id" in one_line(capsys, ["--checkpoint", str(bad)], 2)

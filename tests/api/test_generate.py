@@ -351,3 +351,12 @@ def test_a_failed_step_releases_the_drafter_state(weights):
     with pytest.raises(RuntimeError, match="scheduler"):
         generate(prompts(), weights, double, NEW_TOKENS, B, prefill_chunk=CHUNK, on_step=fail)
     assert sorted(double.released) == sorted(double.seen) and double.seen
+
+
+def test_a_noise_token_outside_the_vocabulary_is_refused(weights):
+    """The config refuses it when built (validation); a config that skipped validation is caught at start-up."""
+    with pytest.raises(ValueError, match="dspark_noise_token_id"):
+        ModelConfig.model_validate({**CFG.model_dump(), "dspark_noise_token_id": CFG.vocab_size})
+    bad = CFG.model_copy(update={"dspark_noise_token_id": CFG.vocab_size})
+    issues = check_deployment(bad, weights, RandomDrafter(CFG.vocab_size), B)
+    assert ("token_ids.range", "dspark_noise_token_id") in [(i.code, i.field) for i in issues]
