@@ -475,6 +475,10 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
     issues: list[Issue] = []
     conditioned = isinstance(drafter, ConditionedDrafter)
     block = config.dspark_block_size
+    if not conditioned and not isinstance(drafter, Drafter):
+        issues.append(Issue("config.invalid", "drafter", "the drafter has neither propose() nor observe(), draft() "
+                            "and release()", expected="a Drafter or a ConditionedDrafter",
+                            actual=type(drafter).__name__))
     if weights.config != config:
         issues.append(Issue("config.mismatch", "weights", "the weights were built for another model config",
                             expected=config.name, actual=weights.config.name,
@@ -676,10 +680,8 @@ def _drafts(drafter: Drafter | ConditionedDrafter, conditioned: ConditionedDraft
             for j, (k, w) in enumerate(zip(asks, widths, strict=True)):
                 out[k] = drafted[j, : int(w)]
         return out
-    if not isinstance(drafter, Drafter):      # check_deployment's protocols: one of the two
-        raise ABIError([Issue("config.invalid", "drafter", "the drafter has neither propose() nor observe(), "
-                              "draft() and release()", expected="a Drafter or a ConditionedDrafter",
-                              actual=type(drafter).__name__)])
+    if not isinstance(drafter, Drafter):      # refused by check_deployment before the first step
+        raise TypeError(f"{type(drafter).__name__} is not a Drafter")
     context = [np.concatenate([tokens[i], np.asarray(generated[i], np.int64)]) for i in live]
     return [np.asarray(d, np.int64).reshape(-1)[:k]
             for d, k in zip(drafter.propose(live, context, room), room, strict=True)]

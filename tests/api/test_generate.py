@@ -231,6 +231,11 @@ def test_adaptive_width_needs_a_confidence_head(weights):
     assert [(i.code, i.field) for i in issues] == [("config.invalid", "adaptive")]
 
 
+def test_an_object_that_is_no_drafter_is_refused(weights):
+    issues = refused(weights, object()).issues
+    assert [(i.code, i.field) for i in issues] == [("config.invalid", "drafter")]
+
+
 def test_a_config_without_target_layers_cannot_feed_a_drafter():
     tiny = ModelWeights.random(TINY, seed=0)
     issues = check_deployment(TINY, tiny, Conditioned({}, config=TINY), TINY.dspark_block_size)
