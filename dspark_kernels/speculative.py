@@ -463,7 +463,8 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
     * ``K`` drafts per step not above ``dspark_block_size`` (``verify.drafts``; drafts past the trained block
       are noise: :data:`BLOCK_SIZE_EVIDENCE`), ``min_drafts`` within ``[0, K]`` and a finite ``adaptive``
       threshold (``config.invalid``); an adaptive width needs a conditioned drafter (its confidence head);
-    * the drafter's window ring (``rings.window``, when the drafter has rings) at least ``sliding_window`` rows;
+    * the drafter's ``main_proj`` (``weights.main_proj``, when the drafter has it) of shape [D, T * D]
+      (``array.shape``); its window ring (``rings.window``, when it has rings) at least ``sliding_window`` rows;
     * with ``checkpoint`` (a folder): its drafter tensors present, of the right shapes and stored formats
       (:func:`checkpoint_drafter_issues`);
     * the noise token a vocabulary id (``token_ids.range``);
@@ -509,6 +510,12 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
             issues.append(Issue("config.invalid", "adaptive", "an adaptive width needs a drafter with a "
                                 "confidence head (a ConditionedDrafter)", expected="a ConditionedDrafter",
                                 actual=type(drafter).__name__, fix="use a fixed K with this drafter"))
+    main_proj = getattr(getattr(drafter, "weights", None), "main_proj", None)
+    want = (config.hidden_size, len(config.dspark_target_layers) * config.hidden_size)
+    if conditioned and isinstance(main_proj, np.ndarray) and main_proj.shape != want:
+        issues.append(Issue("array.shape", "mtp.0.main_proj.weight", "the drafter's main_proj does not take the "
+                            "target's features", expected=list(want), actual=list(main_proj.shape),
+                            fix="load the drafter of the target's checkpoint"))
     window = getattr(getattr(drafter, "rings", None), "window", None)
     if conditioned and isinstance(window, int) and window < config.sliding_window:
         issues.append(Issue("config.invalid", "rings.window", "the drafter's window ring holds fewer rows than the "

@@ -249,6 +249,14 @@ def test_a_narrow_window_ring_is_refused(weights):
     assert [(i.code, i.field) for i in issues] == [("config.invalid", "rings.window")]
 
 
+def test_a_drafter_whose_main_proj_does_not_take_the_features_is_refused(weights):
+    drafter = DSparkDrafter.random(CFG, weights, seed=5)
+    assert check_deployment(CFG, weights, drafter, B) == []
+    drafter.weights = attrs.evolve(drafter.weights, main_proj=drafter.weights.main_proj[:, :-1])
+    issues = check_deployment(CFG, weights, drafter, B)
+    assert [(i.code, i.field) for i in issues] == [("array.shape", "mtp.0.main_proj.weight")]
+
+
 def test_cached_rows_cannot_feed_a_conditioned_drafter(weights):
     issues = refused(weights, Conditioned({}), cached=[3]).issues
     assert [(i.code, i.field) for i in issues] == [("config.invalid", "cached")]
