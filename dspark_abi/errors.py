@@ -165,8 +165,8 @@ CODES: dict[str, tuple[str, str]] = {
     "capability.token_cap": ("the policy's token cap exceeds the kernel's group capacity",
                              "set PaddingPolicy(token_cap=...) so that align_up(token_cap, TP) <= 8192"),
     # ---- the DSpark drafter (dspark_kernels.drafter)
-    "drafter.config": ("the config cannot run the DSpark drafter (no block size, target layers or Markov rank, or a "
-                       "noise token outside the vocabulary)",
+    "drafter.config": ("the config cannot run the DSpark drafter (no block size or target layers, or a noise token "
+                       "outside the vocabulary)",
                        "use a DSpark config whose dspark_* keys are those of the checkpoint's config.json"),
     "drafter.gap": ("committed rows given to the drafter do not continue the request's history, or an anchor does "
                     "not follow its last observed row",

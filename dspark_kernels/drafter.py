@@ -97,7 +97,9 @@ class DSparkDrafter:
 
     config: the target's DSpark :class:`ModelConfig` (``dspark_*`` keys, ``n_mtp_layers``); weights: the
     :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
-    precision: ``"fp32"`` (default) or ``"deepseek"``; tp / tp_mode: the TP group size and how its ranks run
+    precision: ``"fp32"`` (default), ``"deepseek"`` (the release's bf16 activations and FP8 inputs) or ``"a2a3"``
+    (the a2a3 kernels' numerics in the stages shared with the target; ``main_proj`` and the heads in fp32);
+    tp / tp_mode: the TP group size and how its ranks run
     (``"single"``: one process computes the whole group; ``"threads"``: one thread per rank, all-gathers in
     memory; ``"distributed"``: this process is one rank of an initialised ``torch.distributed`` group of ``tp``
     processes, each holding its own drafter and calling the same methods with the same arguments, all-gathers
@@ -126,15 +128,20 @@ class DSparkDrafter:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def random(cls, config: ModelConfig, target: ModelWeights, seed: int = 0, **kwargs: object) -> DSparkDrafter:
+    def random(cls, config: ModelConfig, target: ModelWeights, seed: int = 0, *, precision: str = "fp32",
+               tp: int = 1, tp_mode: TpMode = "single", backend: Backend | None = None) -> DSparkDrafter:
         """A drafter with :meth:`DrafterWeights.random` weights (``seed``) on ``target``."""
-        return cls(config, DrafterWeights.random(config, seed), target, **kwargs)  # type: ignore[arg-type]
+        return cls(config, DrafterWeights.random(config, seed), target, precision=precision, tp=tp, tp_mode=tp_mode,
+                   backend=backend)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, config: ModelConfig, target: ModelWeights,
-                        **kwargs: object) -> DSparkDrafter:
-        """The drafter of a checkpoint folder (``mtp.*`` tensors, streamed: :meth:`DrafterWeights.from_safetensors`)."""
-        return cls(config, DrafterWeights.from_safetensors(path, config), target, **kwargs)  # type: ignore[arg-type]
+    def from_checkpoint(cls, path: str | Path, config: ModelConfig, target: ModelWeights, *,
+                        precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
+                        backend: Backend | None = None, keep_layers: bool = False) -> DSparkDrafter:
+        """The drafter of a checkpoint folder (``mtp.*`` tensors: :meth:`DrafterWeights.from_safetensors`; streamed,
+        or with ``keep_layers`` every stage kept once read, which saves re-reading them at every draft)."""
+        return cls(config, DrafterWeights.from_safetensors(path, config, keep_layers=keep_layers), target,
+                   precision=precision, tp=tp, tp_mode=tp_mode, backend=backend)
 
     # ------------------------------------------------------------------ observe
     def main_x(self, features: np.ndarray) -> np.ndarray:

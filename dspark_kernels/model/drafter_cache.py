@@ -53,39 +53,39 @@ class DrafterRings:
         return np.array([self.slot_of[int(r)] for r in request_ids], dtype=np.int64)
 
     def gap_issues(self, request_ids: Sequence[int], positions: Sequence[np.ndarray]) -> list[Issue]:
-        """``drafter.gap`` issues of rows that do not continue each request's history."""
-        issues = []
-        seen: set[int] = set()
-        for i, (rid, pos) in enumerate(zip(request_ids, positions, strict=True)):
-            rid = int(rid)
-            if rid in seen:
-                issues.append(Issue("drafter.gap", "request_ids", "a request appears twice in one call", index=i,
-                                    request=rid, expected="distinct ids", actual=rid,
-                                    fix="pass each request's rows once, in one array"))
-                continue
-            seen.add(rid)
-            slot = self.slot_of.get(rid)
-            start = int(self.last[slot]) + 1 if slot is not None else 0
-            if pos.size and (pos[0] != start or np.any(np.diff(pos) != 1)):
-                issues.append(Issue("drafter.gap", "positions", "committed rows must continue the request's "
-                                    "history without a gap", index=i, request=rid,
-                                    expected=f"{start}, {start + 1}, ...", actual=pos[:4].tolist(),
-                                    fix="observe every committed row once, in position order"))
+        """``drafter.gap`` issues of rows that do not continue each request's history (vectorized over the rows;
+        only the requests at fault are visited, to describe them)."""
+        ids = np.array([int(r) for r in request_ids], dtype=np.int64)
+        lengths = np.array([p.size for p in positions], dtype=np.int64)
+        _, first = np.unique(ids, return_index=True)
+        repeated = np.ones(ids.size, bool)
+        repeated[first] = False
+        start = np.array([self.last[self.slot_of[r]] + 1 if r in self.slot_of else 0 for r in ids.tolist()],
+                         dtype=np.int64)
+        flat = np.concatenate([np.asarray(p, np.int64) for p in positions]) if ids.size else np.zeros(0, np.int64)
+        owner = np.repeat(np.arange(ids.size), lengths)
+        offset = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)   # row index in its request
+        wrong = np.zeros(ids.size, bool)
+        np.logical_or.at(wrong, owner, flat != start[owner] + offset)
+        issues = [Issue("drafter.gap", "request_ids", "a request appears twice in one call", index=i,
+                        request=int(ids[i]), expected="distinct ids", actual=int(ids[i]),
+                        fix="pass each request's rows once, in one array") for i in np.flatnonzero(repeated).tolist()]
+        issues += [Issue("drafter.gap", "positions", "committed rows must continue the request's history without a "
+                         "gap", index=i, request=int(ids[i]), expected=f"{start[i]}, {start[i] + 1}, ...",
+                         actual=np.asarray(positions[i])[:4].tolist(),
+                         fix="observe every committed row once, in position order")
+                   for i in np.flatnonzero(wrong & ~repeated).tolist()]
         return issues
 
     # ------------------------------------------------------------------ writes
     def admit(self, request_ids: Sequence[int]) -> np.ndarray:
         """[R] slots of ``request_ids``, new requests given free slots (the rings grow when full)."""
-        for rid in request_ids:
-            if int(rid) in self.slot_of:
-                continue
-            free = np.flatnonzero(self.last < 0)
-            free = free[~np.isin(free, list(self.slot_of.values()))]
-            if free.size == 0:
-                self._grow()
-                free = np.flatnonzero(self.last < 0)
-                free = free[~np.isin(free, list(self.slot_of.values()))]
-            self.slot_of[int(rid)] = int(free[0])
+        new = [int(r) for r in request_ids if int(r) not in self.slot_of]
+        while len(new) > self.last.size - len(self.slot_of):
+            self._grow()
+        taken = set(self.slot_of.values())
+        free = (slot for slot in range(self.last.size) if slot not in taken)
+        self.slot_of |= dict(zip(new, free, strict=False))
         return np.array([self.slot_of[int(r)] for r in request_ids], dtype=np.int64)
 
     def write(self, stage: int, slots: np.ndarray, positions: np.ndarray, rows: np.ndarray) -> None:

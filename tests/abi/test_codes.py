@@ -215,6 +215,9 @@ TESTED_ELSEWHERE = {
     "verify.ring_headroom": ("tests/abi/test_verify.py", "test_validator_refuses_a_ring_narrower_than_the_headroom"),
     "logits.intent": ("tests/abi/test_verify.py", "test_validator_verify_rules"),
     "commit.accepted": ("tests/abi/test_verify.py", "test_commit_refuses_bad_accepted_counts_and_changes_nothing"),
+    "drafter.config": ("tests/model/test_drafter.py", "test_a_config_without_a_drafter_is_refused"),
+    "drafter.gap": ("tests/model/test_drafter.py", "test_observe_gap_and_unknown_request_change_nothing"),
+    "drafter.unknown_request": ("tests/model/test_drafter.py", "test_observe_gap_and_unknown_request_change_nothing"),
 }
 
 
