@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -203,7 +203,8 @@ def _drafter(args: argparse.Namespace, config: ModelConfig, weights: ModelWeight
         return ReplayDrafter({i: np.concatenate([p, plain.tokens[i]]) for i, p in enumerate(prompts)})
     from dspark_kernels.drafter import DSparkDrafter
 
-    mode = "threads" if args.tp_mode == "threads" else "single"
+    # the drafter runs in this process: its ranks as threads beside a threads group, else computed as one
+    mode: Literal["single", "threads"] = "threads" if args.tp_mode == "threads" else "single"
     if args.checkpoint is None:
         return DSparkDrafter.random(config, weights, seed=args.seed, tp=args.tp, tp_mode=mode)
     missing = checkpoint_drafter_issues(args.checkpoint)
