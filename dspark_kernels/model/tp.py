@@ -268,6 +268,10 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
                 if kind == "mirror":
                     out.put(("mirror", rank, mirror.to_arrays()))
                     continue
+                if kind == "release":
+                    mirror.release(int(payload))
+                    out.put(("released", rank, None))
+                    continue
                 job, slots = payload
                 mirror.grow(slots)
                 if isinstance(job.batch, PersistentStep):
@@ -289,7 +293,8 @@ class RankGroup:
     the group's start) and advanced by ``PersistentTables.apply(step)`` for every persistent step it runs, as a
     device-resident table would be; a step ships only its delta, never the tables. :meth:`run` takes one
     :class:`DistributedJob` (its ``batch`` a persistent step, ``tables`` None; a full-form batch also runs) and
-    returns every rank's :class:`RankResult`; :meth:`mirrors` returns each rank's mirror (``to_arrays()``).
+    returns every rank's :class:`RankResult`; :meth:`release` frees a slot the allocator released on every mirror;
+    :meth:`mirrors` returns each rank's mirror (``to_arrays()``).
     ``slots``: the allocator's slot count, sent with each step (the mirror grows as the allocator's tables do).
     Use as a context manager (:meth:`close` stops the processes).
     """
@@ -316,6 +321,13 @@ class RankGroup:
         for box in self._inboxes:
             box.put(("job", (job, slots)))
         return self._collect("result")
+
+    def release(self, slot: int) -> None:
+        """Release ``slot`` on every rank's mirror, as the allocator released it (``BlockAllocator.release``): its
+        generation advances there too, so the mirrors stay equal to the allocator's tables."""
+        for box in self._inboxes:
+            box.put(("release", slot))
+        self._collect("released")
 
     def mirrors(self) -> list[dict[str, np.ndarray]]:
         """Each rank's mirror of the persistent tables, as ``PersistentTables.to_arrays()``."""

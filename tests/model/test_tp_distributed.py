@@ -118,3 +118,11 @@ def test_rank_group_mirrors_follow_the_allocator_by_deltas_alone():
             assert set(mirror) == set(want)
             for name, array in want.items():
                 np.testing.assert_array_equal(mirror[name], array, err_msg=f"rank {rank} {name}")
+        slot = s.alloc.persistent.slot_of(1)
+        s.alloc.release(1)                  # a finished request: its slot's generation advances on every mirror
+        group.release(slot)
+        want = s.alloc.persistent.to_arrays()
+        assert not want["slot_in_use"][slot]
+        for rank, mirror in enumerate(group.mirrors()):
+            for name, array in want.items():
+                np.testing.assert_array_equal(mirror[name], array, err_msg=f"rank {rank} {name} after release")
