@@ -115,6 +115,15 @@ class ModelConfig(StrictModel):
     """K: the most drafts the DSpark drafter proposes per block (``dspark_block_size``; 5 for
     DeepSeek-V4-Flash-DSpark), so a verify request holds 1 to 1 + K rows (:attr:`max_verify_width`); 0 without a
     drafter (a verify request is then its anchor alone). Omitted from dumps when 0."""
+    dspark_noise_token_id: int = Field(default=0, ge=0, exclude_if=lambda t: not t)
+    """The token id filling the DSpark drafter's block after its anchor (``dspark_noise_token_id``; 128799 for
+    DeepSeek-V4-Flash-DSpark; DeepSeek's default 0); must be a vocabulary id. Omitted from dumps when 0."""
+    dspark_markov_rank: int = Field(default=256, ge=1, exclude_if=lambda r: r == 256)
+    """Width r of the drafter's Markov head (``dspark_markov_rank``; 256 for DeepSeek-V4-Flash-DSpark and
+    DeepSeek's default). Omitted from dumps when 256."""
+    n_mtp_layers: int = Field(default=3, ge=1, exclude_if=lambda n: n == 3)
+    """Draft stages of the DSpark drafter (``n_mtp_layers``; 3 for DeepSeek-V4-Flash-DSpark), each a V4 block
+    with sliding-window attention. Omitted from dumps when 3."""
 
     @model_validator(mode="after")
     def _check_dims(self) -> ModelConfig:
@@ -138,6 +147,9 @@ class ModelConfig(StrictModel):
         if targets and (list(targets) != sorted(set(targets)) or targets[0] < 0 or targets[-1] >= n_layers):
             problems.append(f"dspark_target_layers={list(targets)} must be distinct ascending layer ids in "
                             f"[0, {n_layers})")
+        if self.dspark_noise_token_id >= self.vocab_size:
+            problems.append(f"dspark_noise_token_id={self.dspark_noise_token_id} must be a vocabulary id "
+                            f"(< vocab_size={self.vocab_size})")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -247,6 +259,9 @@ class ModelConfig(StrictModel):
             },
             "dspark_target_layers": take("dspark_target_layer_ids", default=[]),
             "dspark_block_size": take("dspark_block_size", default=0),
+            "dspark_noise_token_id": take("dspark_noise_token_id", default=0),
+            "dspark_markov_rank": take("dspark_markov_rank", default=256),
+            "n_mtp_layers": take("n_mtp_layers", default=3) or 3,
         }
         if issues:
             raise ABIError(issues)
@@ -283,6 +298,9 @@ class ModelConfig(StrictModel):
             out["dspark_target_layer_ids"] = list(self.dspark_target_layers)
         if self.dspark_block_size:
             out["dspark_block_size"] = self.dspark_block_size
+            out["dspark_noise_token_id"] = self.dspark_noise_token_id
+            out["dspark_markov_rank"] = self.dspark_markov_rank
+            out["n_mtp_layers"] = self.n_mtp_layers
         return out
 
 

@@ -179,6 +179,16 @@ CODES: dict[str, tuple[str, str]] = {
                                "compiled for"),
     "capability.token_cap": ("the policy's token cap exceeds the kernel's group capacity",
                              "set PaddingPolicy(token_cap=...) so that align_up(token_cap, TP) <= 8192"),
+    # ---- the DSpark drafter (dspark_kernels.drafter)
+    "drafter.config": ("the config cannot run the DSpark drafter (no block size or target layers, or a noise token "
+                       "outside the vocabulary)",
+                       "use a DSpark config whose dspark_* keys are those of the checkpoint's config.json"),
+    "drafter.gap": ("committed rows given to the drafter do not continue the request's history, or an anchor does "
+                    "not follow its last observed row",
+                    "observe every committed row once, in position order, before drafting after it; nothing was "
+                    "written"),
+    "drafter.unknown_request": ("the drafter has no committed rows of this request id",
+                                "observe the request's prompt (its target features) first; release it once"),
 }
 
 

@@ -55,9 +55,12 @@ TINY_1M = TINY.model_copy(update={"name": "tiny-1m", "max_position_embeddings": 
 #: DeepSeek-V4-Flash-DSpark's target model: FLASH whose layers 40, 41 and 42 feed the DSpark drafter
 #: (``dspark_target_layer_ids`` of the DSpark checkpoint's config.json).
 #: Its drafter proposes blocks of ``dspark_block_size`` = 5 drafts: a verify request holds up to 6 rows.
+#: Its drafter: 3 stages, a Markov head of rank 256, noise token 128799 (the checkpoint's config.json).
 FLASH_DSPARK = FLASH.model_copy(update={"name": "flash-dspark", "dspark_target_layers": (40, 41, 42),
-                                        "dspark_block_size": 5})
+                                        "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+                                        "dspark_markov_rank": 256, "n_mtp_layers": 3})
 #: TINY with the same shape of drafter features: its last three layers; blocks of 3 drafts (verify width <= 4).
+#: Its drafter: 3 stages of TINY's sizes, FLASH's Markov rank 256, noise token 0 (DeepSeek's defaults).
 TINY_DSPARK = TINY.model_copy(update={"name": "tiny-dspark", "dspark_target_layers": (1, 2, 3),
                                       "dspark_block_size": 3})
 

@@ -14,6 +14,11 @@
   indexer heads, expert hidden rows); measured on TINY the forward peaks at 24-28 KiB per row where this
   counts 31 KiB (tracemalloc, 512-4096 rows).
 
+:func:`estimate_drafter` does the same for the DSpark drafter beside a target (:mod:`dspark_kernels.drafter`): its
+stages' weights (kept or streamed like the target's layers; the embedding and LM head are the target's and counted
+there), its own tensors (``main_proj``, Markov and confidence heads) and its window rings
+(:func:`drafter_ring_bytes`), which play the part of the caches.
+
 :func:`available_bytes` reads ``MemAvailable`` from ``/proc/meminfo`` (or ``os.sysconf`` elsewhere), capped by a
 cgroup memory limit when one is set.
 """
@@ -30,6 +35,7 @@ import numpy as np
 from dspark_abi import PoolBlocks
 from dspark_abi.config import ModelConfig
 from dspark_kernels.model.caches import POOLS_BY_KIND
+from dspark_kernels.model.checkpoint_format import QuantFormat
 from dspark_kernels.model.weight_specs import weight_specs
 
 #: Bytes per element as :class:`ModelWeights` holds a tensor: floats as float32, ``tid2eid`` as int64.
@@ -209,3 +215,34 @@ def _cgroup_headroom() -> int | None:
             return None
         return max(limit - usage, 0)
     return None
+
+
+def drafter_ring_bytes(config: ModelConfig, requests: int) -> int:
+    """Bytes of the drafter's window rings for ``requests`` requests (:class:`~dspark_kernels.model.drafter_cache.
+    DrafterRings`): ``n_mtp_layers`` rings of ``sliding_window`` float32 rows of ``head_dim`` per request, and one
+    int64 last position per request."""
+    return requests * (config.n_mtp_layers * config.sliding_window * config.head_dim * 4 + 8)
+
+
+def estimate_drafter(config: ModelConfig, *, requests: int, streaming: bool) -> MemoryEstimate:
+    """Memory of the DSpark drafter of a DSpark ``config`` drafting for ``requests`` requests at once (blocks of
+    ``dspark_block_size`` rows), beside the target (whose embedding and LM head it shares: not counted here).
+
+    streaming: stages read when they run, one routed expert at a time (a checkpoint), else every stage kept.
+    Raises :class:`~dspark_abi.ABIError` (``drafter.config``) for a config without a drafter.
+    """
+    from dspark_kernels.model.drafter_weights import extra_formats, stage_config  # the drafter's own home
+
+    stages = stage_config(config)
+    _, layers, experts, _ = weight_bytes_by_layer(stages)
+    own = sum(int(np.prod(f.shape)) * 4 for f in extra_formats(config, QuantFormat.float_checkpoint()))
+    head = (config.hc_mult * config.hc_mult * config.hidden_size + config.hc_mult + 1 + config.hidden_size) * 4
+    if streaming:
+        one_expert = 3 * config.moe.moe_intermediate_size * config.hidden_size * 4
+        resident = max(n - e for n, e in zip(layers, experts, strict=True)) + one_expert
+        routed = one_expert
+    else:
+        resident, routed = sum(layers), sum(experts)
+    rows = requests * config.dspark_block_size
+    return MemoryEstimate(weights=own + head + resident, caches=drafter_ring_bytes(config, requests),
+                          activations=activation_bytes(stages, rows, rows), routed_experts=routed)

@@ -41,7 +41,7 @@ from dspark_abi.errors import ABIError
 from dspark_abi.io import fixtures, safe_write
 from dspark_kernels import memory
 from dspark_kernels.api import prefill
-from dspark_kernels.cli import speculate
+from dspark_kernels.cli import generate, speculate
 from dspark_kernels.cli.checks import RunError, check_extras, check_memory, check_requests, load_config, load_weights
 from dspark_kernels.cli.progress import PROGRESS_DELAY_S, ContextProgress, LayerProgress, progress_mode
 from dspark_kernels.model import tp
@@ -253,6 +253,7 @@ def make_parser() -> argparse.ArgumentParser:
     shown.add_argument("--no-progress", dest="progress", action="store_false", help="no progress output")
     p.set_defaults(func=run, progress=None)
     speculate.add_parser(sub)
+    generate.add_parser(sub)
     return parser
 
 
@@ -301,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except UsageError as exc:
         return _fail(str(exc), 2, prog)
+    except generate.StartupError as exc:      # every failed start-up check: one coded line each
+        for line in generate.issue_lines(exc):
+            print(f"{prog}: error: {line}", file=sys.stderr)
+        return 1
     except RunError as exc:
         return _fail(str(exc), 1, prog)
     except ABIError as exc:

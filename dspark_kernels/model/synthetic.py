@@ -32,6 +32,7 @@ from dspark_abi import ModelConfig
 from dspark_abi.io import safe_write
 from dspark_kernels.model import quant
 from dspark_kernels.model.checkpoint_format import QuantFormat, TensorFormat, model_formats
+from dspark_kernels.model.drafter_weights import DrafterRandomSource, draft_layout, has_drafter
 from dspark_kernels.model.shard_index import INDEX_FILE
 from dspark_kernels.model.weights import RandomSource
 
@@ -106,7 +107,7 @@ def _fp4_entries(fmt: TensorFormat, seed: int) -> list[Entry]:
             Entry(base + ".scale", "F8_E8M0", scale_shape, scales)]
 
 
-def tensor_entries(source: RandomSource, fmt: TensorFormat, seed: int) -> list[Entry]:
+def tensor_entries(source: RandomSource | _CheckpointValues, fmt: TensorFormat, seed: int) -> list[Entry]:
     """The stored tensor(s) of ``fmt`` in its shipped kind (a quantised weight brings its ``.scale``)."""
     if fmt.kind == "fp4_block":
         return _fp4_entries(fmt, seed)
@@ -149,23 +150,50 @@ def short_schedule(config: ModelConfig, ratios: tuple[int, ...] = (0, 4, 128), *
     return ModelConfig.model_validate(data)
 
 
+class _CheckpointValues:
+    """The random value of every checkpoint name: the target's (:class:`RandomSource`) and, for ``mtp.*`` names of
+    a DSpark config, the drafter's (:class:`~dspark_kernels.model.drafter_weights.DrafterRandomSource`, the values
+    ``DrafterWeights.random`` holds)."""
+
+    def __init__(self, config: ModelConfig, seed: int):
+        self.target = RandomSource(config, seed, share_layers=False)
+        self.drafter = DrafterRandomSource(config, seed) if has_drafter(config) else None
+
+    def load(self, name: str) -> np.ndarray:
+        if name.startswith("mtp.") and self.drafter is not None:
+            return self.drafter.load_checkpoint_name(name)
+        return self.target.load(name)
+
+
 def write_checkpoint(folder: str | Path, config: ModelConfig, *, seed: int = 0,
-                     quant_format: QuantFormat | None = None) -> Path:
+                     quant_format: QuantFormat | None = None, drafter_only: bool = False) -> Path:
     """Write a checkpoint of ``config`` in the shipped format into ``folder`` (created; regular files overwritten).
+    A DSpark config (a block size and target layers) also gets its drafter's ``mtp.*`` tensors, one shard per draft
+    stage after the layers' (:func:`~dspark_kernels.model.checkpoint_format.draft_formats`); ``drafter_only``
+    writes only those (the drafter's shards of a target checkpoint written before: pass both folders' shard files
+    to the loaders).
 
     Every target is checked before the first byte is written (:func:`dspark_abi.io.safe_write.check_target`:
     a directory, device, FIFO or socket in the folder's place of a file raises ``WriteTargetError``).
 
     Shards: ``model-00000-of-0000N.safetensors`` holds embed, norm, head and hc_head; shard ``i + 1`` holds
-    layer i. Returns the folder. ``quant_format`` defaults to V4-Flash's (FP8 blocks, FP4 experts).
+    layer i; then one shard per draft stage s (``mtp.{s}.*``). Returns the folder. ``quant_format`` defaults to
+    V4-Flash's (FP8 blocks, FP4 experts).
     """
     q = quant_format or QuantFormat(quantized=True)
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    formats = model_formats(config, q)
-    source = RandomSource(config, seed, share_layers=False)
-    groups: list[list[TensorFormat]] = [[f for n, f in formats.items() if not n.startswith("layers.")]]
-    groups += [[f for n, f in formats.items() if n.startswith(f"layers.{i}.")] for i in range(config.num_layers)]
+    draft = draft_layout(config) if has_drafter(config) else None
+    if drafter_only and draft is None:
+        raise ValueError(f"{config.name} has no DSpark drafter to write")
+    formats = model_formats(config, q, draft)
+    source = _CheckpointValues(config, seed)
+    groups: list[list[TensorFormat]] = []
+    if not drafter_only:
+        groups.append([f for n, f in formats.items() if not n.startswith(("layers.", "mtp."))])
+        groups += [[f for n, f in formats.items() if n.startswith(f"layers.{i}.")] for i in range(config.num_layers)]
+    if draft is not None:
+        groups += [[f for n, f in formats.items() if n.startswith(f"mtp.{s}.")] for s in range(draft.stages)]
     total = len(groups)
     files = [f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(total)]
     for name in [*files, INDEX_FILE, "config.json"]:        # all of them before the first (large) write

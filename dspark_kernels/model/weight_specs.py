@@ -31,7 +31,9 @@ name                                           shape               notes
 Float tensors may be float16, bfloat16, float32 or float64 and are computed with as float32; ``tid2eid`` is
 int32 or int64. A checkpoint folder is read in its stored formats (FP8 / FP4 / int8 with ``.scale`` companions,
 :meth:`ModelWeights.from_safetensors`); an in-memory mapping (``from_tensors``) holds floats. Names the
-model does not use (``mtp.*``, scales) are ignored.
+model does not use (``mtp.*``, scales) are ignored: the DSpark drafter's ``mtp.*`` tensors are
+:class:`~dspark_kernels.model.drafter_weights.DrafterWeights`', read as the layers of a stage config with these
+same specs (:func:`~dspark_kernels.model.drafter_weights.stage_config`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,9 @@ def test_real_dspark_config_carries_the_target_layers(dspark_hf, flash_hf):
     assert config.dspark_block_size == 5 and config.max_verify_width == 6   # anchor + 5 drafts per verify request
     assert config.num_layers == 43 and len(dspark_hf["compress_ratios"]) == 46  # three draft stages dropped
     base = ModelConfig.from_hf_config(flash_hf, name="flash-dspark")
-    assert config.model_copy(update={"dspark_target_layers": (), "dspark_block_size": 0}) == base  # nothing else
+    drafter = {"dspark_target_layers": (), "dspark_block_size": 0, "dspark_noise_token_id": 0}
+    assert (config.dspark_noise_token_id, config.dspark_markov_rank, config.n_mtp_layers) == (128799, 256, 3)
+    assert config.model_copy(update=drafter) == base  # nothing else
 
 
 def test_target_layers_survive_a_json_round_trip_and_are_omitted_when_empty(dspark_hf, flash_hf):

@@ -25,6 +25,8 @@ API_ONLY_CODES = {"pools.blocks", "rank.index", "rank.replicated_mismatch", "ran
                   # rules of the persistent form (spec 5.9): its own vectors, spec/v1/vectors-persistent/
                   # (tests/abi/test_persistent.py), a full-form fixture cannot carry persistent tables
                   "tables.slot", "tables.stale_slot", "tables.persistent", "delta.mapped", "delta.released",
+                  # the DSpark drafter's API (dspark_kernels.drafter), not a batch
+                  "drafter.config", "drafter.gap", "drafter.unknown_request",
                   "capability.token_cap"}
 #: Keep the committed vectors small enough for any checkout and the wheel (measured: 1.8 MB in 1.1, 3.8 MB in 1.0).
 MAX_VECTOR_BYTES = 10 * 2**20

@@ -1,0 +1,343 @@
+"""The DSpark drafter of DeepSeek-V4-Flash-DSpark on the reference backend: :class:`DSparkDrafter`.
+
+What one draft of R requests computes (DeepSeek's ``Transformer.forward_spec`` / ``DSparkBlock`` restated; S draft
+stages, B = ``dspark_block_size``, D hidden, T target layers, W window, r Markov rank, V vocabulary):
+
+1. **observe** (committed rows only, prefill and accepted verify rows): ``main_x = rms_norm(main_proj(features),
+   main_norm)`` [n, D] from the target features [n, T*D]; each stage's window key of every row
+   (:func:`~dspark_kernels.reference.draft_attention.context_keys`) into that stage's ring at ``position % W``
+   (:class:`~dspark_kernels.model.drafter_cache.DrafterRings`). Nothing else runs: a prefill only seeds the rings.
+2. **draft**: the block ``[anchor, noise x (B - 1)]`` at positions ``a .. a + B - 1`` (a = last observed + 1),
+   embedded with the target's embedding and copied to the hc streams; per stage a V4 block: hc_pre, attn_norm,
+   draft attention (:func:`~dspark_kernels.reference.draft_attention.block_attention`: the ring plus every block
+   row, non-causal), hc_post; hc_pre, ffn_norm, MoE, hc_post (the backend's stages, as a target layer).
+3. **head**: ``h = hc_head(x_hc)`` with the last stage's own mixer, ``logits = rms_norm(h, norm) @ head.T`` (the
+   target's LM head, fp32); then left to right over the B rows the Markov head adds ``markov_w2 @
+   markov_w1[previous]`` (previous = the anchor for row 0, else the previous row's choice) and takes the argmax
+   (first maximum): drafts d_1 .. d_B. ``confidence = proj([h ; markov_w1[previous]])``, a raw fp32 logit per row.
+
+The choice is greedy (the first maximum): DeepSeek's ``forward_head`` samples each row with its temperature
+(Gumbel-max), of which greedy is the temperature-0 case, the one a verify step's greedy acceptance checks.
+
+All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
+rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
+LM head is split by vocabulary (the target's TP, docs/architecture.md); keys, rings and hyper-connections are
+computed by every rank (replicated).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import numpy as np
+
+from dspark_abi import ABIError, Issue, ModelConfig
+from dspark_kernels.model import deepseek_numerics as ds
+from dspark_kernels.model.backends import Backend, default_backend
+from dspark_kernels.model.drafter_cache import DrafterRings
+from dspark_kernels.model.drafter_weights import DrafterWeights, drafter_issues, stage_config
+from dspark_kernels.model.forward import TargetReduction
+from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
+from dspark_kernels.model.numerics import Precision, bf16_round, check_precision, linear, narrow, rms_norm
+from dspark_kernels.model.prepared import PreparedWeightsCache
+from dspark_kernels.model.rope import rope_at
+from dspark_kernels.model.tp import ThreadGroup, torch_all_gather
+from dspark_kernels.model.weights import ModelWeights
+from dspark_kernels.reference.draft_attention import block_attention, context_keys
+
+#: ``all_gather(local [L, ...]) -> [TP * L, ...]`` (rank-major), as the target's layers use.
+AllGather = Callable[[np.ndarray], np.ndarray]
+TpMode = Literal["single", "threads", "distributed"]
+TP_MODES: tuple[TpMode, ...] = ("single", "threads", "distributed")
+
+
+@attrs.frozen(eq=False)
+class DraftOutput:
+    """One draft of R requests.
+
+    tokens: [R, B] int64 drafts d_1 .. d_B per request (B = ``dspark_block_size``).
+    confidence: [R, B] float32 raw confidence logits (no sigmoid), one per block row; zeros when the checkpoint
+    has no confidence head.
+    """
+
+    tokens: np.ndarray
+    confidence: np.ndarray
+
+
+def _share(rows: int, tp: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``rows`` rows: ``ceil(rows / tp)`` rows (fewer at the end)."""
+    per = -(-rows // tp)
+    return slice(min(rank * per, rows), min((rank + 1) * per, rows))
+
+
+def _process_group_rank(tp: int) -> tuple[int, AllGather]:
+    """This process's rank and the all-gather of the initialised ``torch.distributed`` group of ``tp`` ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() != tp:
+        raise ABIError([Issue("config.invalid", "tp_mode", "tp_mode 'distributed' runs inside an initialised "
+                              "torch.distributed group of tp processes", expected=tp,
+                              actual=dist.get_world_size() if dist.is_initialized() else "not initialised",
+                              fix="initialise the process group (e.g. under torchrun) or use tp_mode 'threads'")])
+    return dist.get_rank(), torch_all_gather()
+
+
+def _gather_rows(local: np.ndarray, rows: int, tp: int, all_gather: AllGather | None) -> np.ndarray:
+    """All ranks' shares [<= L, ...] padded to L = ceil(rows / tp), gathered rank-major, cut to ``rows``."""
+    if all_gather is None or tp == 1:
+        return local
+    per = -(-rows // tp)
+    padded = np.zeros((per, *local.shape[1:]), local.dtype)
+    padded[: local.shape[0]] = local
+    return all_gather(padded)[:rows]
+
+
+class DSparkDrafter:
+    """The DSpark drafter of a target model: weights, window rings and the stages that draft.
+
+    config: the target's DSpark :class:`ModelConfig` (``dspark_*`` keys, ``n_mtp_layers``); weights: the
+    :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
+    precision: ``"fp32"`` (default), ``"deepseek"`` (the release's bf16 activations and FP8 inputs) or ``"a2a3"``
+    (the a2a3 kernels' numerics in the stages shared with the target; ``main_proj`` and the heads in fp32);
+    tp / tp_mode: the TP group size and how its ranks run
+    (``"single"``: one process computes the whole group; ``"threads"``: one thread per rank, all-gathers in
+    memory; ``"distributed"``: this process is one rank of an initialised ``torch.distributed`` group of ``tp``
+    processes, each holding its own drafter and calling the same methods with the same arguments, all-gathers
+    through the process group). Every rank holds replicated rings.
+    """
+
+    #: The target-feature reduction the drafter was trained on (DeepSeek's ``h.mean(dim=2)``): what
+    #: :func:`~dspark_kernels.model.forward.target_features` computes by default and ``observe`` expects.
+    reduction: TargetReduction = "mean"
+
+    def __init__(self, config: ModelConfig, weights: DrafterWeights, target: ModelWeights, *,
+                 precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
+                 backend: Backend | None = None):
+        issues = drafter_issues(config)
+        if weights.config != config or target.config != config:
+            issues.append(Issue("config.mismatch", "weights", "drafter and target weights must be of the config",
+                                expected=config.name, actual=[weights.config.name, target.config.name]))
+        if tp < 1 or tp_mode not in TP_MODES:
+            issues.append(Issue("config.invalid", "tp", "tp is a group size >= 1 run in one of the TP modes",
+                                expected=f"tp >= 1, tp_mode in {list(TP_MODES)}", actual=[tp, tp_mode]))
+        if issues:
+            raise ABIError(issues)
+        self.config, self.weights, self.target = config, weights, target
+        self.stage_config = stage_config(config)
+        self.precision: Precision = check_precision(precision)
+        self.tp, self.tp_mode = tp, tp_mode
+        self.backend = default_backend(backend)
+        self.rings = DrafterRings(config)
+        self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def random(cls, config: ModelConfig, target: ModelWeights, seed: int = 0, *, precision: str = "fp32",
+               tp: int = 1, tp_mode: TpMode = "single", backend: Backend | None = None) -> DSparkDrafter:
+        """A drafter with :meth:`DrafterWeights.random` weights (``seed``) on ``target``."""
+        return cls(config, DrafterWeights.random(config, seed), target, precision=precision, tp=tp, tp_mode=tp_mode,
+                   backend=backend)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: ModelConfig, target: ModelWeights, *,
+                        precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
+                        backend: Backend | None = None, keep_layers: bool = False) -> DSparkDrafter:
+        """The drafter of a checkpoint folder (``mtp.*`` tensors: :meth:`DrafterWeights.from_safetensors`; streamed,
+        or with ``keep_layers`` every stage kept once read, which saves re-reading them at every draft)."""
+        return cls(config, DrafterWeights.from_safetensors(path, config, keep_layers=keep_layers), target,
+                   precision=precision, tp=tp, tp_mode=tp_mode, backend=backend)
+
+    # ------------------------------------------------------------------ observe
+    def main_x(self, features: np.ndarray) -> np.ndarray:
+        """``rms_norm(main_proj(features), main_norm)`` [n, D] float32 of target features [n, T*D] (bf16 values in
+        deepseek, whose FP8 ``main_proj`` quantises its input in 1x128 blocks)."""
+        w, prec = self.weights, self.precision
+        if prec == "deepseek":
+            a = ds.act_quant(features) if w.main_proj_fp8 else features
+            return narrow(rms_norm(bf16_round(linear(a, w.main_proj)), w.main_norm, self.config.rms_norm_eps), prec)
+        return rms_norm(linear(features, w.main_proj), w.main_norm, self.config.rms_norm_eps)
+
+    def observe(self, request_ids: Sequence[int], positions: Sequence[np.ndarray],
+                features: Sequence[np.ndarray]) -> None:
+        """Write committed rows into every stage's ring (one packed call for all requests).
+
+        positions[i]: [n_i] int64 ascending contiguous absolute positions of request ``request_ids[i]``;
+        features[i]: [n_i, T*D] float32 its target features (the mean of the hc streams after each target layer).
+        A request's rows must continue its history (a new request starts at 0): else ``drafter.gap``; wrong shapes
+        ``array.shape``; nothing is written on any error.
+        """
+        c = self.config
+        pos = [np.asarray(p, dtype=np.int64).reshape(-1) for p in positions]
+        feats = [np.asarray(f, dtype=np.float32) for f in features]
+        width = len(c.dspark_target_layers) * c.hidden_size
+        issues = []
+        if not len(request_ids) == len(pos) == len(feats):
+            issues.append(Issue("array.shape", "positions", "one positions and one features array per request",
+                                expected=len(request_ids), actual=[len(pos), len(feats)]))
+        else:
+            issues += [Issue("array.shape", "features", "target features are [n_i, T*D] for n_i positions", index=i,
+                             request=int(r), expected=[p.size, width], actual=list(f.shape),
+                             fix="pass the target_hidden rows of the request's committed positions")
+                       for i, (r, p, f) in enumerate(zip(request_ids, pos, feats, strict=True))
+                       if f.shape != (p.size, width)]
+            issues += [Issue("positions.out_of_range", "positions", "positions must be below the position limit",
+                             index=i, request=int(r), expected=f"< {c.max_position_embeddings}",
+                             actual=int(p[-1])) for i, (r, p) in enumerate(zip(request_ids, pos, strict=True))
+                       if p.size and p[-1] >= c.max_position_embeddings]
+            issues += self.rings.gap_issues(request_ids, pos)
+        if issues:
+            raise ABIError(issues)
+        known = self.rings.slot_of
+        before = [int(self.rings.last[known[int(r)]]) if int(r) in known else -1 for r in request_ids]
+        ends = np.array([int(p[-1]) if p.size else b for p, b in zip(pos, before, strict=True)], dtype=np.int64)
+        # only each request's last W rows can stay in the ring: the others are never computed
+        keep = [p >= e - self.rings.window + 1 for p, e in zip(pos, ends, strict=True)]
+        kept_pos = np.concatenate([p[k] for p, k in zip(pos, keep, strict=True)])
+        keys = []
+        if kept_pos.size:   # every stage's keys before anything is written: a failed read leaves the rings as they were
+            x = self.main_x(np.concatenate([f[k] for f, k in zip(feats, keep, strict=True)]))   # (N, D)
+            cos, sin = rope_at(c, "swa", kept_pos, self.precision)
+            for s in range(c.n_mtp_layers):
+                w = self._prepared.get(self.weights.stage(s).attn, self.precision)
+                keys.append(context_keys(x, w, cos, sin, c.rms_norm_eps, self.precision))     # (N, hd)
+        slots = self.rings.admit(request_ids)
+        row_slots = np.repeat(slots, [int(k.sum()) for k in keep])
+        for s, stage_keys in enumerate(keys):
+            self.rings.write(s, row_slots, kept_pos, stage_keys)
+        self.rings.advance(slots, ends)
+
+    def release(self, request_ids: Sequence[int]) -> None:
+        """Forget requests (``drafter.unknown_request`` for an id never observed; nothing changes then)."""
+        self.rings.release(request_ids)
+
+    # ------------------------------------------------------------------ draft
+    def draft(self, request_ids: Sequence[int], anchors: np.ndarray, anchor_positions: np.ndarray) -> DraftOutput:
+        """Draft B tokens for every request after its anchor, packed in one call.
+
+        anchors: [R] int64, the token after each request's last observed row; anchor_positions: [R] int64, that
+        row's position + 1. Raises ``drafter.unknown_request`` / ``drafter.gap`` (an anchor position that is not
+        last observed + 1) / ``token_ids.range``; nothing changes (draft never writes the rings).
+        """
+        c, b = self.config, self.config.dspark_block_size
+        anchors = np.asarray(anchors, dtype=np.int64).reshape(-1)
+        at = np.asarray(anchor_positions, dtype=np.int64).reshape(-1)
+        slots = self.rings.slots(request_ids)
+        issues = []
+        if anchors.shape != (len(request_ids),) or at.shape != anchors.shape:
+            raise ABIError([Issue("array.shape", "anchors", "one anchor and one anchor position per request",
+                                  expected=[len(request_ids)], actual=[list(anchors.shape), list(at.shape)])])
+        expected = self.rings.last[slots] + 1
+        ids = [int(r) for r in request_ids]
+        issues += [Issue("drafter.gap", "anchor_positions", "the anchor must follow the last observed row", index=i,
+                         request=ids[i], expected=int(expected[i]), actual=int(at[i]),
+                         fix="observe every committed row before drafting")
+                   for i in np.flatnonzero(at != expected).tolist()]
+        issues += [Issue("token_ids.range", "anchors", "anchors must be vocabulary ids", index=i,
+                         request=ids[i], expected=f"[0, {c.vocab_size})", actual=int(anchors[i]))
+                   for i in np.flatnonzero((anchors < 0) | (anchors >= c.vocab_size)).tolist()]
+        issues += [Issue("positions.out_of_range", "anchor_positions", "the block's rows pass the position limit",
+                         index=i, request=ids[i], expected=f"<= {c.max_position_embeddings - b}",
+                         actual=int(at[i])) for i in np.flatnonzero(at + b > c.max_position_embeddings).tolist()]
+        if issues:
+            raise ABIError(issues)
+        if anchors.size == 0:
+            return DraftOutput(np.zeros((0, b), np.int64), np.zeros((0, b), np.float32))
+        if self.tp == 1 or self.tp_mode == "single":
+            return self._draft_rank(slots, anchors, at, None, None)
+        if self.tp_mode == "distributed":
+            return self._draft_rank(slots, anchors, at, *_process_group_rank(self.tp))
+        group = ThreadGroup(self.tp)
+        results: list[DraftOutput | BaseException | None] = [None] * self.tp
+
+        def run(rank: int) -> None:
+            try:
+                results[rank] = self._draft_rank(slots, anchors, at, rank, group.gatherer(rank))
+            except BaseException as exc:
+                results[rank] = exc
+                group.abort()
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(self.tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        first = results[0]
+        if not isinstance(first, DraftOutput):
+            raise RuntimeError("a TP rank returned no draft")
+        return first
+
+    def _draft_rank(self, slots: np.ndarray, anchors: np.ndarray, at: np.ndarray, rank: int | None,
+                    all_gather: AllGather | None) -> DraftOutput:
+        """One rank's view of a draft (rank None: the whole group); every rank returns the same output."""
+        c, sc, prec, st = self.config, self.stage_config, self.precision, self.backend
+        r, b = anchors.size, c.dspark_block_size
+        tp = 1 if rank is None else self.tp
+        rows = _share(r * b, tp, 0 if rank is None else rank)
+        ids = np.full((r, b), c.dspark_noise_token_id, np.int64)
+        ids[:, 0] = anchors
+        positions = (at[:, None] + np.arange(b)[None, :]).reshape(-1)                         # (R*B,)
+        cos, sin = rope_at(c, "swa", positions, prec)
+        x_hc = np.repeat(self.target.embed_rows(ids.reshape(-1))[:, None, :], c.hc_mult, axis=1)  # (R*B, hc, D)
+        visible = np.minimum(self.rings.window, at)
+        for s in range(c.n_mtp_layers):
+            lw = self.weights.stage(s)
+            w = self._prepared.get(lw.attn, prec)
+            pre = st.hc_pre(x_hc, lw.hc_attn, sc, precision=prec, norm=lw.attn_norm)
+            if pre.x_normed is None:
+                raise ValueError("the backend's hc_pre returned no x_normed although it was given the norm")
+            attn = block_attention(pre.x_normed, self.rings.rings[s, slots], visible, w, cos, sin,
+                                   heads=c.num_attention_heads, eps=c.rms_norm_eps, scale=c.softmax_scale,
+                                   precision=prec, rows=rows)
+            x_hc = st.hc_post(_gather_rows(attn, r * b, tp, all_gather), x_hc, pre.post, pre.comb, precision=prec)
+            ffn = st.hc_pre(x_hc, lw.hc_ffn, sc, precision=prec)
+            out = st.moe(ffn.x_mixed[rows], lw.moe, sc, norm=lw.ffn_norm, precision=prec)
+            x_hc = st.hc_post(_gather_rows(out, r * b, tp, all_gather), x_hc, ffn.post, ffn.comb, precision=prec)
+        h = st.hc_head(x_hc, self.weights.head_hc(), sc, precision=prec)                      # (R*B, D)
+        hidden = narrow(rms_norm(h, self.weights.head_norm(), c.rms_norm_eps), prec)
+        logits = self._logits(hidden, rank, all_gather).reshape(r, b, -1)                      # (R, B, V)
+        return self._markov(logits, h.reshape(r, b, -1), anchors)
+
+    def _logits(self, hidden: np.ndarray, rank: int | None, all_gather: AllGather | None) -> np.ndarray:
+        """[R*B, V] fp32 LM-head logits (the target's head; vocabulary shards gathered under TP)."""
+        head, v = self.target.head().head, self.config.vocab_size
+        if rank is None or all_gather is None or self.tp == 1:
+            full: np.ndarray = hidden @ head.T
+            return full
+        width = vocab_shard_width(v, self.tp)
+        shard = np.full((hidden.shape[0], width), -np.inf, np.float32)
+        part = hidden @ head[vocab_shard(v, self.tp, rank)].T
+        shard[:, : part.shape[1]] = part
+        return np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, :v])
+
+    def _markov(self, logits: np.ndarray, h: np.ndarray, anchors: np.ndarray) -> DraftOutput:
+        """Greedy drafts and confidences from base logits [R, B, V] and pre-norm head rows h [R, B, D]."""
+        w = self.weights
+        r, b, _ = logits.shape
+        tokens = np.empty((r, b), np.int64)
+        embeds = np.empty((r, b, w.markov_w1.shape[1]), np.float32)
+        previous = anchors
+        for i in range(b):  # left to right: each row's bias depends on the previous row's choice
+            embeds[:, i] = w.markov_w1[previous]                                               # (R, r)
+            biased = logits[:, i] + embeds[:, i] @ w.markov_w2.T                               # (R, V)
+            previous = tokens[:, i] = np.argmax(biased, axis=-1)
+        if w.confidence is None:
+            return DraftOutput(tokens, np.zeros((r, b), np.float32))
+        joined = np.concatenate([h, embeds], axis=-1)                                          # (R, B, D + r)
+        return DraftOutput(tokens, (joined @ w.confidence[0]).astype(np.float32))
+
+    # ------------------------------------------------------------------ the speculative.Drafter protocol
+    def propose(self, request_ids: Sequence[int], contexts: Sequence[np.ndarray],
+                max_drafts: Sequence[int]) -> list[np.ndarray]:
+        """The ``speculative.Drafter`` protocol: anchor = ``contexts[i][-1]`` at position ``len(contexts[i]) - 1``
+        (the rows before it observed); returns ``draft(...).tokens[i, :max_drafts[i]]``."""
+        anchors = np.array([int(np.asarray(ctx)[-1]) for ctx in contexts], dtype=np.int64)
+        at = np.array([len(ctx) - 1 for ctx in contexts], dtype=np.int64)
+        out = self.draft(request_ids, anchors, at)
+        return [out.tokens[i, : int(k)] for i, k in enumerate(max_drafts)]
