@@ -182,15 +182,14 @@ class PersistentTables:
         for i, p in enumerate(POOL_NAMES):
             self._first[p], self._end[p] = self._runs[0, i], self._runs[1, i]
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> PersistentTables:
-        clone = object.__new__(type(self))
-        memo[id(self)] = clone
-        for name, value in self.__dict__.items():
-            if name not in ("_first", "_end"):          # views: bound to the copied _runs below
-                setattr(clone, name, copy.deepcopy(value, memo))
-        clone._first, clone._end = {}, {}
-        clone._bind_runs()
-        return clone
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied without the run views (rebound to the copied ``_runs`` by ``__setstate__``)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_first", "_end")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._first, self._end = {}, {}
+        self._bind_runs()
 
     # ------------------------------------------------------------------ reading
     @property

@@ -4,13 +4,16 @@ pools, and the allocator's array lookups of request ids (cached tokens, rows) fo
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import attrs
 import numpy as np
 import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, PaddingPolicy, PoolBlocks
 from dspark_abi.layout import POOL_NAMES, PoolColumns, live_range, page_span
-from dspark_abi.persistent import DeltaCells
+from dspark_abi.persistent import DeltaCells, check_step
 from dspark_abi.presets import FLASH, TINY, TINY_1M
 
 
@@ -82,3 +85,28 @@ def test_request_lookups_follow_commits_and_releases():
         assert alloc._cached == cached
         assert all(alloc.cached_tokens(r) == c for r, c in cached.items())
     assert alloc.cached_tokens_of([2**70, *sorted(cached)]).tolist() == [-1, *[cached[r] for r in sorted(cached)]]
+
+
+@pytest.mark.parametrize("clone", ["pickle", "deepcopy", "copy"])
+def test_a_copied_mirror_keeps_following_the_allocator(clone):
+    """A mirror pickled (as for a rank process), deep-copied or copied keeps its runs in one array: applying steps
+    to it keeps it equal to the allocator's tables and every later step checks clean against it."""
+    alloc = BlockAllocator(TINY, PoolBlocks.uniform(512), capacity=4)   # the mirror keeps its slot count
+    builder = BatchBuilder(TINY, PaddingPolicy(), alloc)
+    builder.add(0, num_cached=0, num_new=50)
+    builder.commit(builder.build_step())
+    tables = alloc.persistent
+    mirror = {"pickle": lambda: pickle.loads(pickle.dumps(tables)), "deepcopy": lambda: copy.deepcopy(tables),
+              "copy": tables.copy}[clone]()
+    cached = {0: 50}
+    for step in range(6):
+        for rid in (0, 1, 2):
+            builder.add(rid, num_cached=cached.get(rid, 0), num_new=37 + 11 * step)
+        built = builder.build_step()
+        assert check_step(built, mirror).ok
+        builder.commit(built)
+        mirror.apply(built)
+        for rid in (0, 1, 2):
+            cached[rid] = cached.get(rid, 0) + 37 + 11 * step
+        got, want = mirror.to_arrays(), tables.to_arrays()
+        assert all(np.array_equal(got[k], want[k]) for k in want)
