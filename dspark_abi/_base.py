@@ -47,6 +47,19 @@ def expand_ranges(start: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.
     return owner, np.asarray(start)[owner] + (np.arange(owner.size, dtype=np.int64) - first[owner])
 
 
+def find_in(keys: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index in ``keys`` of each ``wanted`` value found there, [W] bool mask of the wanted values found).
+
+    keys: [K] distinct ints (any order); wanted: [W] ints. One sort of ``keys`` and one search: O((K + W) log K).
+    """
+    if keys.size == 0 or wanted.size == 0:
+        return np.empty(0, np.int64), np.zeros(wanted.size, dtype=bool)
+    order = np.argsort(keys, kind="stable")
+    at = order[np.minimum(np.searchsorted(keys, wanted, sorter=order), keys.size - 1)]
+    found = keys[at] == wanted
+    return at[found], found
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
     return -(-a // b)

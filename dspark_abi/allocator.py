@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dspark_abi._base import expand_ranges
+from dspark_abi._base import expand_ranges, find_in
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue
 from dspark_abi.layout import (
@@ -227,7 +227,7 @@ class BlockAllocator:
                     r_rows, r_pages, _ = plan.release_cells[p]
                     m_rows, m_pages, m_blocks = plan.map_cells[p]
                     for cell_rows, pages, blocks in ((r_rows, r_pages, None), (m_rows, m_pages, m_blocks)):
-                        at, found = _positions(rows, cell_rows)
+                        at, found = find_in(rows, cell_rows)
                         column = table_column(pl, pages[found], pl.ring_width)
                         table[at, column] = -1 if blocks is None else blocks[found]
             return tables
@@ -414,16 +414,6 @@ class BlockAllocator:
         self._persistent.grow(new)
         self._cached_rows = np.concatenate([self._cached_rows, np.zeros(new - old, np.int64)])
         self._spare_rows = list(range(new - 1, old - 1, -1)) + self._spare_rows
-
-
-def _positions(rows: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index in ``rows`` of each ``wanted`` allocator row found there, mask of the wanted rows found)."""
-    if rows.size == 0 or wanted.size == 0:
-        return np.empty(0, np.int64), np.zeros(wanted.size, dtype=bool)
-    order = np.argsort(rows, kind="stable")
-    at = order[np.minimum(np.searchsorted(rows, wanted, sorter=order), rows.size - 1)]
-    found = rows[at] == wanted
-    return at[found], found
 
 
 def _unknown(request_id: object, *, index: int | None = None, count: int = 1) -> Issue:

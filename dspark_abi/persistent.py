@@ -28,7 +28,7 @@ from typing import Any, Literal, NamedTuple
 import attrs
 import numpy as np
 
-from dspark_abi._base import expand_ranges
+from dspark_abi._base import expand_ranges, find_in
 from dspark_abi.batch import PackedBatch, SlotMappings, _afield, _PerPool, freeze
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
@@ -117,7 +117,7 @@ def narrow_tables(layout: CacheLayout, window: int, persistent: Mapping[PoolName
     for p in POOL_NAMES:
         pl, full, width = layout.pools[p], persistent[p], widths[p]
         m_slots, m_pages, m_blocks = mapped[p]
-        at, found = _slot_index(slots, m_slots)
+        at, found = find_in(slots, m_slots)
         pages, blocks = m_pages[found], m_blocks[found]
         if pl.is_ring:      # re-lay the live pages from the persistent ring width to this step's
             req, page = touched_pages(pl, starts, ends, window)
@@ -131,16 +131,6 @@ def narrow_tables(layout: CacheLayout, window: int, persistent: Mapping[PoolName
         table[at[live], table_column(pl, pages[live], width)] = blocks[live]
         out[p] = table
     return out
-
-
-def _slot_index(slots: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(batch index of each ``wanted`` slot found among the step's ``slots``, mask of those found)."""
-    if slots.size == 0 or wanted.size == 0:
-        return np.empty(0, np.int64), np.zeros(wanted.size, dtype=bool)
-    order = np.argsort(slots, kind="stable")
-    at = order[np.minimum(np.searchsorted(slots, wanted, sorter=order), slots.size - 1)]
-    found = slots[at] == wanted
-    return at[found], found
 
 
 # ------------------------------------------------------------------------------------------------ the tables
