@@ -19,7 +19,7 @@ from dspark_kernels.model.backends import BACKENDS, BackendName, backend_issues,
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardOptions, ForwardResult, run_forward
 from dspark_kernels.model.numerics import PRECISIONS
-from dspark_kernels.model.plan import PlanSource
+from dspark_kernels.model.plan import PlanSource, StepRows
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 
@@ -60,9 +60,12 @@ class PrefillResult:
     target_hidden_hc_head: the same rows with ``hc_head`` of the streams instead of their mean: upstream
     pypto-lib's ``dspark_target_hidden`` (rank r's share ``dspark_target_hidden[r]``), for comparison with it; not
     what the drafter was trained on (docs/checkpoints.md section 6).
+    batch: the rows the call ran (:class:`~dspark_kernels.model.plan.StepRows`): the :class:`PackedBatch` itself,
+    or a persistent step's own rows and request record (:class:`~dspark_kernels.model.plan.PersistentRows`; its
+    full form is ``step.to_full(tables)``, not made by the call).
     """
 
-    batch: PackedBatch
+    batch: StepRows
     hidden: np.ndarray
     x_hc: np.ndarray
     logit_rows: np.ndarray
@@ -96,8 +99,9 @@ def prefill(batch: PackedBatch | PersistentStep, inputs: np.ndarray, weights: Mo
     batch: a full-form :class:`PackedBatch`, or a :class:`~dspark_abi.persistent.PersistentStep` (the persistent
     form, ``BatchBuilder.build_step()``) with ``tables``: the persistent tables holding the step's delta (a device
     mirror after ``mirror.apply(step)``, or ``allocator.persistent`` after ``builder.commit(step)``); the kernels then
-    read those tables at each request's slot, with the results of the full form bit for bit.
-    ``PrefillResult.batch`` is the step's full form (``step.to_full(tables)``, for the per-request views).
+    read those tables at each request's slot and the step's own rows, with the results of the full form bit for
+    bit; no full form is made (the step's slots and generations are checked, O(R): its delta was proven by
+    ``apply`` or the commit). ``PrefillResult.batch`` is the step's rows (for the per-request views).
 
     inputs: [P] int64 token ids (embedded here) or [P, D] / [P, hc, D] float32 hidden rows; padding rows
     must be zero. weights: :class:`ModelWeights` (random, in-memory or lazily read safetensors).
@@ -113,29 +117,33 @@ def prefill(batch: PackedBatch | PersistentStep, inputs: np.ndarray, weights: Mo
     prepared: a cache of prepared attention weights to reuse across calls (default: one for this call).
     For one rank's view of a TP group see :mod:`dspark_kernels.model.tp`.
     """
-    source = PlanSource.of(batch, tables)   # a step: its full form (validated) and the tables the kernels read
-    batch = source.batch
-    issues = _check(batch, inputs, weights, backend)
+    if not isinstance(batch, PackedBatch | PersistentStep):
+        raise ABIError([Issue("array.missing", "batch", "prefill needs a PackedBatch or a PersistentStep (build it "
+                              "with BatchBuilder)", expected="PackedBatch | PersistentStep",
+                              actual=type(batch).__name__)])
+    source = PlanSource.of(batch, tables)   # a step: its own rows and the tables the kernels read
+    rows = source.batch
+    issues = _check(rows, inputs, weights, backend)
     if precision not in PRECISIONS:
         issues.append(Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS),
                             actual=repr(precision)))
     elif backend in BACKENDS:
         issues += backend_issues(backend, precision)  # a precision the backend cannot compute
     resolved = None if backend_issues(backend, precision) else resolve_backend(backend, precision)
-    run, layer_issues = _layers(batch, layers)
+    run, layer_issues = _layers(rows, layers)
     issues += layer_issues
-    if isinstance(batch, PackedBatch) and run is not None:
+    if run is not None:
         # every check that keeps the snapshot and the layers from indexing a pool out of bounds, before any read
         if not isinstance(caches, ModelCaches):
             issues.append(Issue("config.mismatch", "caches", "caches must be a ModelCaches",  # type: ignore[unreachable]  # runtime guard
                                 expected="ModelCaches", actual=type(caches).__name__))
         elif precision in PRECISIONS:
-            issues += caches.issues_for(batch, precision, run)
+            issues += caches.issues_for(rows, precision, run)
         if resolved is not None:
-            issues += resolved.batch_issues(batch, run, source.read_tables())   # e.g. the pypto fp32 index range
+            issues += resolved.batch_issues(rows, run, source.read_tables())   # e.g. the pypto fp32 index range
     if issues or run is None or resolved is None:
         raise ABIError(issues)
-    snapshot = _snapshot_written_rows(batch, caches, run)
+    snapshot = _snapshot_written_rows(rows, caches, run)
     try:
         options = ForwardOptions(precision=precision, layers=run, logit_rows=logit_rows, backend=resolved,
                                  prepared=prepared, on_layer=on_layer, caches_checked=True)
@@ -143,15 +151,13 @@ def prefill(batch: PackedBatch | PersistentStep, inputs: np.ndarray, weights: Mo
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise
-    return PrefillResult(batch=batch, hidden=result.hidden, x_hc=result.x_hc, logit_rows=result.logit_rows,
+    return PrefillResult(batch=rows, hidden=result.hidden, x_hc=result.x_hc, logit_rows=result.logit_rows,
                          logits=result.logits, sampled=result.sampled, target_hidden=result.target_hidden,
                          target_hidden_hc_head=result.target_hidden_hc_head)
 
 
-def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int] | None, list[Issue]]:
+def _layers(batch: StepRows, layers: Sequence[int] | None) -> tuple[list[int] | None, list[Issue]]:
     """The layer indices to run (None if ``layers`` is unusable) and the issues of ``layers``."""
-    if not isinstance(batch, PackedBatch):
-        return None, []  # type: ignore[unreachable]  # a runtime guard for untyped callers (reported by _check)
     n = batch.config.num_layers
     if layers is None:
         return list(range(n)), []
@@ -171,10 +177,7 @@ def _layers(batch: PackedBatch, layers: Sequence[int] | None) -> tuple[list[int]
     return run, []
 
 
-def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backend: str) -> list[Issue]:
-    if not isinstance(batch, PackedBatch):
-        return [Issue("array.missing", "batch", "prefill needs a PackedBatch (build it with BatchBuilder)",  # type: ignore[unreachable]  # runtime guard
-                      expected="PackedBatch", actual=type(batch).__name__)]
+def _check(batch: StepRows, inputs: np.ndarray, weights: ModelWeights, backend: str) -> list[Issue]:
     issues: list[Issue] = []
     if backend not in BACKENDS:
         issues += backend_issues(backend, None)
@@ -195,7 +198,7 @@ def _check(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, backen
     return issues
 
 
-def _padding_hidden_issues(batch: PackedBatch, hidden: np.ndarray) -> list[Issue]:
+def _padding_hidden_issues(batch: StepRows, hidden: np.ndarray) -> list[Issue]:
     """``padding.hidden`` for the first padding row of ``hidden`` [P, ...] that is not all zero (with the count):
     the ABI validator's own rule; the batch itself is already valid, so nothing else is re-validated."""
     issues: list[Issue] = []
@@ -203,7 +206,7 @@ def _padding_hidden_issues(batch: PackedBatch, hidden: np.ndarray) -> list[Issue
     return issues
 
 
-def _snapshot_written_rows(batch: PackedBatch, caches: ModelCaches, layers: list[int]
+def _snapshot_written_rows(batch: StepRows, caches: ModelCaches, layers: list[int]
                            ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(array, rows, saved rows) for every cache row the call may write (its slot-mapped rows)."""
     saved = []

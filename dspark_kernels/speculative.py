@@ -40,7 +40,7 @@ from dspark_kernels.model.accept import Acceptance, greedy_matrix
 from dspark_kernels.model.backends import Backend, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
-from dspark_kernels.model.plan import PlanSource
+from dspark_kernels.model.plan import PersistentRows, PlanSource, StepRows
 from dspark_kernels.model.weights import ModelWeights
 
 __all__ = [
@@ -220,7 +220,9 @@ class VerifyOutput:
 class StepRecord:
     """What one dispatch held and what it kept."""
 
-    batch: PackedBatch
+    batch: StepRows
+    """The step's rows and request record: the full-form batch, or a persistent step's own rows
+    (:class:`~dspark_kernels.model.plan.PersistentRows`; no full form is made per step)."""
     prefill_ids: tuple[int, ...]
     """Requests that sent a prefill chunk."""
     verify: tuple[VerifyOutput, ...]
@@ -307,7 +309,7 @@ class GenerateResult:
                 "seconds": float(seconds.sum())}
 
 
-def rejected_rows(batch: PackedBatch, accepted: np.ndarray) -> np.ndarray:
+def rejected_rows(batch: StepRows, accepted: np.ndarray) -> np.ndarray:
     """[P] bool: group rows the step wrote at positions its requests did not commit (rows beyond each request's
     ``accepted`` count); their cache rows must never be read before the request's next step rewrites them."""
     mask = np.zeros(batch.padded_rows, bool)
@@ -365,8 +367,11 @@ class _Runner:
         """The queued requests' step in the runner's table form."""
         return builder.build_step() if self.tables == "persistent" else builder.build()
 
-    def forward(self, step: PackedBatch | PersistentStep) -> tuple[PackedBatch, _Forward]:
-        """The step's full form and its forward at its own logit rows; ``caches`` hold its writes afterwards."""
+    def forward(self, step: PackedBatch | PersistentStep) -> tuple[StepRows, _Forward]:
+        """The step's rows (:class:`StepRows`: never a persistent step's full form) and its forward at its own logit
+        rows; ``caches`` hold its writes afterwards. A persistent step is validated once, by the mirror's
+        ``apply`` (:func:`~dspark_abi.persistent.check_step`'s incremental proof); the forward then checks only
+        that its slots are current, O(R)."""
         tokens = step.token_ids
         if tokens is None:   # the loop always gives token ids; a batch without them cannot be verified
             raise ABIError([Issue("array.missing", "token_ids", "a step of the loop needs token ids",
@@ -387,27 +392,27 @@ class _Runner:
                           precision=self.precision)
             return res.batch, _Forward(res.logit_rows, res.sampled, res.logits, res.target_hidden,
                                        res.target_hidden_hc_head)
-        source = PlanSource.of(step, tables)    # the full form: once per step, for every rank
+        source = PlanSource.of(step, tables)    # once per step, for every rank: the step's own rows
         if self.mode == "threads":
             result = tp.run_tp_inprocess(source, tokens, self.weights, self.caches, precision=self.precision,
                                          backend=self.backend)[0].result
-        else:
-            ranks = tp.launch(tp.DistributedJob(source.batch, tokens, self.weights, self.caches,
+        else:   # the full form (a persistent step runs on the rank processes' mirrors: _distributed_step)
+            ranks = tp.launch(tp.DistributedJob(step, tokens, self.weights, self.caches,
                                                 precision=self.precision, backend=self.backend))
             self._take_caches(ranks[0].caches)
             result = ranks[0].result
         return source.batch, _Forward(result.logit_rows, result.sampled, result.logits, result.target_hidden,
                                       result.target_hidden_hc_head)
 
-    def _distributed_step(self, step: PersistentStep, tokens: np.ndarray) -> tuple[PackedBatch, _Forward]:
-        """A persistent step on the rank processes: each applies the delta to its own mirror; the host reads the
-        allocator's tables (as of the step's build) for the step's full form."""
+    def _distributed_step(self, step: PersistentStep, tokens: np.ndarray) -> tuple[StepRows, _Forward]:
+        """A persistent step on the rank processes: each applies the delta to its own mirror (its one check); the
+        host keeps the step's own rows."""
         from dspark_kernels.model import tp
 
         if self.group is None:
             self.group = tp.RankGroup(step.policy.tp_size, self.allocator.persistent, attention=self.backend,
                                       precision=self.precision)
-        batch = step.to_full(self.allocator.persistent)
+        batch = PersistentRows.of(step)
         ranks = self.group.run(tp.DistributedJob(step, tokens, self.weights, self.caches, precision=self.precision,
                                                  backend=self.backend), self.allocator.persistent.slots)
         self._take_caches(ranks[0].caches)
@@ -635,7 +640,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     sized for the prompts and ``slack`` blocks more per pool.
     on_step(record, caches) runs after each commit (tests plant garbage in rejected rows there).
     tables: the block-table form of the steps (:data:`TABLE_FORMS`): ``"persistent"`` (default; every step is
-    ``build_step()``'s, the kernels read the persistent tables, ``StepRecord.batch`` is the step's full form) or
+    ``build_step()``'s, the kernels read the persistent tables, ``StepRecord.batch`` is the step's own rows) or
     ``"full"``; both give the same tokens.
     """
     cfg = weights.config

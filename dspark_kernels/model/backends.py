@@ -23,12 +23,12 @@ from typing import Any, Literal, Protocol
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_kernels.model.accept import Acceptance
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.numerics import Precision, narrow
-from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.plan import BatchPlan, StepRows
 from dspark_kernels.model.prepared import PreparedWeights
 
 BackendName = Literal["reference", "pypto"]
@@ -137,11 +137,11 @@ class Backend(Protocol):
     :func:`run_attention` over their :class:`AttentionStages`.
     """
 
-    def batch_issues(self, batch: PackedBatch, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
+    def batch_issues(self, batch: StepRows, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
                      ) -> list[Issue]:
         """Issues of a valid batch this backend cannot compute over ``layers`` (checked before anything runs).
         tables: pool -> the block table the kernels read (the persistent tables of a persistent step,
-        :meth:`~dspark_kernels.model.plan.PlanSource.read_tables`); default the batch's own."""
+        :meth:`~dspark_kernels.model.plan.PlanSource.read_tables`); default a :class:`PackedBatch`'s own."""
         ...
 
     def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision,

@@ -42,16 +42,19 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch, PoolBlocks
+from dspark_abi import ABIError, Issue, ModelConfig, PoolBlocks
 from dspark_abi.config import LayerKind
 from dspark_kernels.model.numerics import Precision, check_precision
+
+if TYPE_CHECKING:
+    from dspark_kernels.model.plan import StepRows
 
 #: Pools each layer kind uses (``idx`` also owns the ``idx_scale`` array).
 POOLS_BY_KIND: dict[str, tuple[str, ...]] = {
@@ -204,7 +207,7 @@ class ModelCaches:
         """``layers.{i}.{pool}`` -> live array (the names the saved file uses)."""
         return {f"layers.{i}.{n}": a for i, lc in enumerate(self.layers) for n, a in lc.arrays().items()}
 
-    def issues_for(self, batch: PackedBatch, precision: str, layers: range | list[int]) -> list[Issue]:
+    def issues_for(self, batch: StepRows, precision: str, layers: range | list[int]) -> list[Issue]:
         """Every reason these caches cannot serve ``batch`` at ``precision`` over ``layers`` (empty = fine)."""
         issues = []
         if self.config != batch.config:

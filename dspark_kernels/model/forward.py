@@ -24,7 +24,7 @@ from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
 from dspark_kernels.model.layer import AllGather, run_layer
 from dspark_kernels.model.numerics import Precision, check_precision
-from dspark_kernels.model.plan import PlanSource
+from dspark_kernels.model.plan import PlanSource, StepRows
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 
@@ -135,27 +135,28 @@ def run_forward(batch: PackedBatch | PersistentStep | PlanSource, hidden_or_toke
     ``attention=``) still work for one minor version, with a DeprecationWarning.
     batch: a full-form :class:`PackedBatch`, or a :class:`~dspark_abi.persistent.PersistentStep` with ``tables``,
     the persistent tables holding its delta (a device mirror after ``tables.apply(step)``, or the allocator's after
-    ``commit``): the kernels then read ``tables`` at each request's slot (:class:`PlanSource`); or a
+    ``commit``): the kernels then read ``tables`` at each request's slot and the step's own rows (:class:`PlanSource`:
+    no full form is made; the step's slots and generations are checked, O(R)); or a
     :class:`PlanSource` already made of either (a TP group makes it once for all its ranks).
     Caches are written in place. Raises :class:`ABIError` (nothing touched) when anything does not fit.
     """
     source = batch if isinstance(batch, PlanSource) else PlanSource.of(batch, tables)
-    batch = source.batch
+    step_rows = source.batch    # the step's rows: the batch itself, or a persistent step's own
     if deprecated:
         options, tp = _from_keywords(options, tp, deprecated)
     opts = ForwardOptions() if options is None else options
     prec = check_precision(opts.precision)
     rank, all_gather, backend = tp.rank, tp.all_gather, opts.backend
-    cfg = batch.config
+    cfg = step_rows.config
     run = list(range(cfg.num_layers)) if opts.layers is None else [int(i) for i in opts.layers]
-    wanted = batch.logit_rows if opts.logit_rows is None else opts.logit_rows
+    wanted = step_rows.logit_rows if opts.logit_rows is None else opts.logit_rows
     rows = np.zeros(0, np.int64) if wanted is None else np.asarray(wanted, dtype=np.int64).reshape(-1)
     inputs = np.asarray(hidden_or_token_ids)
-    token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else batch.token_ids
-    _check(batch, inputs, token_ids, weights, caches, prec, run, rows, tp, opts.caches_checked)
+    token_ids = inputs.astype(np.int64) if inputs.dtype.kind in "iu" else step_rows.token_ids
+    _check(step_rows, inputs, token_ids, weights, caches, prec, run, rows, tp, opts.caches_checked)
     targets = {layer: k for k, layer in enumerate(cfg.dspark_target_layers)}   # layer -> feature slot
     d = cfg.hidden_size
-    if batch.num_tokens == 0:   # an inactive group (PaddingPolicy.allow_inactive): no row, nothing written
+    if step_rows.num_tokens == 0:   # an inactive group (PaddingPolicy.allow_inactive): no row, nothing written
         return ForwardResult(x_hc=np.zeros((0, cfg.hc_mult, d), np.float32), hidden=np.zeros((0, d), np.float32),
                              logit_rows=rows.astype(np.int32), logits=np.zeros((rows.size, cfg.vocab_size), np.float32),
                              sampled=np.full(rows.size, -1, np.int64),
@@ -187,12 +188,13 @@ def run_forward(batch: PackedBatch | PersistentStep | PlanSource, hidden_or_toke
             opts.on_layer(done, len(run))
 
     hidden = stages.final_hidden(x_hc, head, cfg, precision=prec)
-    if plan.rank is None or batch.tp_size == 1 or all_gather is None:  # _check: a rank of a group has a gather
+    if plan.rank is None or step_rows.tp_size == 1 or all_gather is None:  # _check: a rank of a group has a gather
         logits = stages.logits_for_rows(hidden, rows, head.head)
     else:  # vocabulary shards, padded to equal width with -inf, gathered along the vocabulary
-        width = vocab_shard_width(cfg.vocab_size, batch.tp_size)
+        width = vocab_shard_width(cfg.vocab_size, step_rows.tp_size)
         shard = np.full((rows.size, width), -np.inf, dtype=np.float32)
-        part = stages.logits_for_rows(hidden, rows, head.head[vocab_shard(cfg.vocab_size, batch.tp_size, plan.rank)])
+        part = stages.logits_for_rows(hidden, rows,
+                                      head.head[vocab_shard(cfg.vocab_size, step_rows.tp_size, plan.rank)])
         shard[:, : part.shape[1]] = part
         logits = np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, : cfg.vocab_size])
     return ForwardResult(x_hc=x_hc, hidden=hidden, logit_rows=rows.astype(np.int32), logits=logits,
@@ -217,7 +219,7 @@ def _from_keywords(options: ForwardOptions | None, tp: RankContext, keywords: di
     return ForwardOptions(**chosen), RankContext(keywords.get("rank"), keywords.get("all_gather"))
 
 
-def _check(batch: PackedBatch, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,
+def _check(batch: StepRows, inputs: np.ndarray, token_ids: np.ndarray | None, weights: ModelWeights,
            caches: ModelCaches, precision: str, run: list[int], rows: np.ndarray, tp: RankContext,
            caches_checked: bool) -> None:
     cfg, p = batch.config, batch.padded_rows

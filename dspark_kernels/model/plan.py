@@ -44,14 +44,17 @@ to its kernel processes).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Protocol
 
 import attrs
 import numpy as np
 
-from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch, PaddingPolicy, PoolBlocks
+from dspark_abi.batch import SlotMappings
 from dspark_abi.config import LayerKind
-from dspark_abi.layout import physical_rows, visible_entries
-from dspark_abi.persistent import PersistentStep, PersistentTables
+from dspark_abi.layout import POOL_NAMES, physical_rows, visible_entries
+from dspark_abi.persistent import PersistentStep, PersistentTables, _current
+from dspark_abi.requests import BatchRequests
 from dspark_kernels.model.geometry import (
     INDEX_RATIO,
     boundary_rows,
@@ -95,12 +98,117 @@ def visible_entry_rows(visible: np.ndarray, table_row: np.ndarray, table: np.nda
     return physical_rows(table, table_row, np.where(c < np.asarray(visible)[:, None], c, -1), page_size, ring=False)
 
 
-def _table_issues(batch: PackedBatch, tables: Mapping[str, np.ndarray] | None,
-                  request_table_row: np.ndarray | None) -> list[Issue]:
-    """``array.shape`` issues of a plan's own tables and request rows (none for the batch's own)."""
+class StepRows(Protocol):
+    """What the kernels read of a step besides its block tables, in either form: a full-form
+    :class:`~dspark_abi.PackedBatch` satisfies it, a :class:`~dspark_abi.persistent.PersistentStep` through
+    :class:`PersistentRows`. Every array is the full form's (spec 4.1): query_start_loc [R+1] int32, positions
+    [P] int32, the seven [P] int64 slot mappings, token_ids [P] int64 | None, logit_rows [M] int32 | None;
+    ``row_request`` [P] int32 (-1 on padding rows); ``requests`` the per-request record."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def policy(self) -> PaddingPolicy: ...
+    @property
+    def pool_blocks(self) -> PoolBlocks: ...
+    @property
+    def query_start_loc(self) -> np.ndarray: ...
+    @property
+    def positions(self) -> np.ndarray: ...
+    @property
+    def slots(self) -> SlotMappings: ...
+    @property
+    def requests(self) -> BatchRequests: ...
+    @property
+    def token_ids(self) -> np.ndarray | None: ...
+    @property
+    def logit_rows(self) -> np.ndarray | None: ...
+    @property
+    def num_requests(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def padded_rows(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def row_request(self) -> np.ndarray: ...
+
+
+@attrs.frozen(eq=False)
+class PersistentRows:
+    """The :class:`StepRows` of a persistent step: its own arrays and request record (shared, never copied) and the
+    row ownership ``row_request`` [P] int32 its record derives; no block table (the kernels read the persistent
+    tables). Build with :meth:`of`."""
+
+    step: PersistentStep
+    row_request: np.ndarray
+
+    @classmethod
+    def of(cls, step: PersistentStep) -> PersistentRows:
+        return cls(step=step, row_request=step.requests.row_request(len(step.positions)))
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.step.config
+
+    @property
+    def policy(self) -> PaddingPolicy:
+        return self.step.policy
+
+    @property
+    def pool_blocks(self) -> PoolBlocks:
+        return self.step.pool_blocks
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        return self.step.query_start_loc
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.step.positions
+
+    @property
+    def slots(self) -> SlotMappings:
+        return self.step.slots
+
+    @property
+    def requests(self) -> BatchRequests:
+        return self.step.requests
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        return self.step.token_ids
+
+    @property
+    def logit_rows(self) -> np.ndarray | None:
+        return self.step.logit_rows
+
+    @property
+    def num_requests(self) -> int:
+        return self.step.num_requests
+
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
+
+    @property
+    def padded_rows(self) -> int:
+        """P, the group rows."""
+        return len(self.step.positions)
+
+    @property
+    def tp_size(self) -> int:
+        return self.step.policy.tp_size
+
+
+def _table_issues(batch: StepRows, tables: Mapping[str, np.ndarray] | None,
+                  request_table_row: np.ndarray | None, read: Mapping[str, np.ndarray]) -> list[Issue]:
+    """``array.shape`` issues of a plan's own ``tables`` (None: the batch's own, not checked) and request rows
+    (checked against ``read``, the tables the plan reads)."""
     issues = []
     if tables is not None:
-        for pool, _ in batch.tables.items():
+        for pool in POOL_NAMES:
             table = tables.get(pool)
             if table is None or np.ndim(table) != 2 or np.asarray(table).dtype != np.int32:
                 issues.append(Issue("array.shape", f"tables.{pool}", "a plan's tables need every pool of the batch",
@@ -108,8 +216,7 @@ def _table_issues(batch: PackedBatch, tables: Mapping[str, np.ndarray] | None,
                                     f"{np.shape(table)} {np.asarray(table).dtype}"))
     if request_table_row is not None:
         rows = np.asarray(request_table_row)
-        given = dict(batch.tables.items()) if tables is None else tables
-        count = min((np.shape(t)[0] for t in given.values() if np.ndim(t) == 2), default=0)
+        count = min((np.shape(t)[0] for t in read.values() if np.ndim(t) == 2), default=0)
         if rows.shape != (batch.num_requests,) or rows.dtype.kind not in "iu":
             issues.append(Issue("array.shape", "request_table_row", "one table row per request",
                                 expected=[batch.num_requests], actual=list(rows.shape)))
@@ -195,7 +302,7 @@ class BatchPlan:
     Build with :meth:`build`. The mappings are keyed by ratio (4, 128) or layer kind and must not be changed.
     """
 
-    batch: PackedBatch
+    batch: StepRows
     rank: int | None
     precision: Precision
     row_start: int
@@ -227,8 +334,16 @@ class BatchPlan:
         Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ``array.shape`` for tables or rows
         that do not fit, ValueError for an unknown precision.
         """
-        prec = check_precision(precision)
-        issues = batch.policy.rank_issues(rank, whole_group=True) + _table_issues(batch, tables, request_table_row)
+        read = dict(batch.tables.items()) if tables is None else tables
+        return cls._derive(batch, rank, check_precision(precision), read, request_table_row,
+                           _table_issues(batch, tables, request_table_row, read))
+
+    @classmethod
+    def _derive(cls, batch: StepRows, rank: int | None, prec: Precision, tables: Mapping[str, np.ndarray],
+                request_table_row: np.ndarray | None, issues: list[Issue]) -> BatchPlan:
+        """The plan of ``batch``'s rows reading ``tables`` (every pool) at ``request_table_row`` (None: row r for
+        request r); raises ``issues`` (the tables') with the rank's first."""
+        issues = batch.policy.rank_issues(rank, whole_group=True) + issues
         if issues:
             raise ABIError(issues)
         if rank is None:
@@ -244,7 +359,7 @@ class BatchPlan:
         else:
             slot = np.asarray(request_table_row, dtype=np.int32)
             table_row = _frozen(np.where(request >= 0, slot[np.maximum(request, 0)], -1).astype(np.int32))
-        tables = dict(batch.tables.items() if tables is None else tables)
+        tables = dict(tables)
         run_starts, run_stops, run_requests = batch.requests.runs()
         ratios = compress_ratios(config)
         boundaries = {m: _frozen(boundary_rows(positions, request, m)) for m in ratios}
@@ -279,8 +394,8 @@ class BatchPlan:
         """The plan of a persistent step (spec 5.9): the kernels read ``tables`` (the persistent tables, every slot,
         read-only views) at ``table_row = table_slots[request]``. ``tables`` must hold the step's delta, as a device
         mirror does after ``tables.apply(step)`` (or the allocator's own tables after ``commit``). The per-row arrays
-        and the request record come from ``step.to_full(tables)`` (validated); its narrow tables are not read.
-        Raises :class:`ABIError` as :meth:`build` and as ``to_full`` (``tables.stale_slot``, ...)."""
+        and the request record are the step's own (:class:`PersistentRows`); no full form is made.
+        Raises :class:`ABIError` as :meth:`build` and as :meth:`PlanSource.of` (``tables.stale_slot``, ...)."""
         return PlanSource.of(step, tables).plan(rank=rank, precision=precision)
 
 
@@ -345,14 +460,14 @@ class PlanSource:
     :class:`~dspark_abi.persistent.PersistentStep` with its tables becomes the plans of the whole group and of
     each rank (the row split of a rank view is the batch policy's, the same for both forms).
 
-    batch: the full-form batch: the per-row arrays, slot mappings and request record every stage reads (for a
-    step, ``step.to_full(tables)``, validated). tables: pool -> [S, w_p] int32 the kernels read (the persistent
-    tables, read-only views) or None (the batch's own [R, w] tables). request_table_row: [R] int32 row of ``tables``
-    each request reads (the step's ``table_slots``) or None (row r for request r). step: the persistent step, or
-    None for a batch."""
+    batch: the :class:`StepRows` every stage reads (per-row arrays, slot mappings, request record): the batch
+    itself, or the step's :class:`PersistentRows` (never its full form: a persistent step's narrow tables are not
+    rebuilt per step). tables: pool -> the table the kernels read: [S, w_p] int32 (the persistent tables,
+    read-only views) or the batch's own [R, w]. request_table_row: [R] int32 row of ``tables`` each request reads
+    (the step's ``table_slots``) or None (row r for request r). step: the persistent step, or None for a batch."""
 
-    batch: PackedBatch
-    tables: Mapping[str, np.ndarray] | None = None
+    batch: StepRows
+    tables: Mapping[str, np.ndarray]
     request_table_row: np.ndarray | None = None
     step: PersistentStep | None = None
 
@@ -360,31 +475,35 @@ class PlanSource:
     def of(cls, batch: PackedBatch | PersistentStep, tables: PersistentTables | None = None) -> PlanSource:
         """The source of ``batch`` (a full-form batch, ``tables`` None) or of a persistent step with the persistent
         tables holding its delta (a device mirror after ``tables.apply(step)``, or the allocator's after
-        ``commit``). Raises :class:`ABIError`: ``array.missing`` (a step without tables), ``config.invalid``
-        (tables with a full-form batch) and whatever ``step.to_full(tables)`` raises (``tables.stale_slot``, ...)."""
+        ``commit``). A step is checked in O(R) only: its slots and generations current in ``tables``
+        (``tables.slot``, ``tables.stale_slot``); its delta was proven once, by ``apply`` or the builder's commit
+        (:func:`~dspark_abi.persistent.check_step`), and its narrow tables are not rebuilt.
+        Raises :class:`ABIError`: ``array.missing`` (a step without tables), ``config.invalid`` (tables with a
+        full-form batch, or tables of another config), ``tables.slot`` / ``tables.stale_slot``."""
         if isinstance(batch, PersistentStep):
             if not isinstance(tables, PersistentTables):
                 raise ABIError([Issue("array.missing", "tables", "a persistent step is read through its persistent "
                                       "tables", expected="PersistentTables holding the step's delta",
                                       actual=type(tables).__name__, fix="pass tables=allocator.persistent after "
                                       "commit, or a mirror after mirror.apply(step)")])
-            return cls(batch=batch.to_full(tables), tables=tables.tables, request_table_row=batch.table_slots,
+            _current(batch, tables).raise_if_invalid()   # O(R): the step was built against these slots
+            return cls(batch=PersistentRows.of(batch), tables=tables.tables, request_table_row=batch.table_slots,
                        step=batch)
         if tables is not None:
             raise ABIError([Issue("config.invalid", "tables", "persistent tables go with a PersistentStep; a "
                                   "PackedBatch carries its own tables", expected="None",
                                   actual=type(tables).__name__)])
-        return cls(batch=batch)
+        return cls(batch=batch, tables=dict(batch.tables.items()))
 
     def table_issues(self) -> list[Issue]:
         """``array.shape`` issues of the tables the plans read (none for a batch's own or a step's tables)."""
-        return _table_issues(self.batch, self.tables, self.request_table_row)
+        return _table_issues(self.batch, self.tables, self.request_table_row, self.tables)
 
     def read_tables(self) -> Mapping[str, np.ndarray]:
         """pool -> the table the kernels read: the persistent tables, or the batch's own."""
-        return dict(self.batch.tables.items()) if self.tables is None else self.tables
+        return self.tables
 
     def plan(self, *, rank: int | None = None, precision: str = "fp32") -> BatchPlan:
         """The :class:`BatchPlan` of ``rank`` (None = the whole group) in ``precision``."""
-        return BatchPlan.build(self.batch, rank=rank, precision=precision, tables=self.tables,
-                               request_table_row=self.request_table_row)
+        return BatchPlan._derive(self.batch, rank, check_precision(precision), self.tables, self.request_table_row,
+                                 self.table_issues())

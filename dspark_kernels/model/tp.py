@@ -81,7 +81,8 @@ def run_tp_inprocess(batch: PackedBatch | PersistentStep | PlanSource, inputs: n
     """Run every rank's view of ``batch`` in threads; rank 0 writes ``caches``, the others copies of it.
 
     batch / tables: as :func:`~dspark_kernels.model.forward.run_forward` (a full-form batch, or a persistent step
-    with the tables holding its delta); the step's full form is made once for all ranks (:class:`PlanSource`).
+    with the tables holding its delta); the source is made once for all ranks (:class:`PlanSource`: a step's own
+    rows, never its full form).
     backend: 'reference' or 'pypto' attention (see :func:`~dspark_kernels.model.backends.resolve_backend`).
     prepared: the cache of prepared attention weights the ranks share (default: one for this call, kept only if
     ``weights`` keep their layers). on_layer(done, total) is called by rank 0 after each layer. Returns one

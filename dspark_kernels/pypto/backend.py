@@ -23,7 +23,7 @@ from dspark_kernels.model.backends import HcMix
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import POOLS_BY_KIND, LayerCaches
 from dspark_kernels.model.numerics import Precision
-from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.plan import BatchPlan, StepRows
 from dspark_kernels.model.prepared import PreparedWeights
 from dspark_kernels.pypto.attention import attend_in_process
 from dspark_kernels.pypto.index_guard import index_range_issues
@@ -40,7 +40,7 @@ class PyptoBackend:
 
     isolate: bool = True
 
-    def batch_issues(self, batch: PackedBatch, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
+    def batch_issues(self, batch: StepRows, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
                      ) -> list[Issue]:
         """``kernel.index_range`` issues of the kernels' fp32 indices over ``layers``: every table the layers read
         (R_t * its column count: the batch's own [R, w] tables, or ``tables``, e.g. the persistent [S, w_p] tables
@@ -49,7 +49,9 @@ class PyptoBackend:
         cfg = batch.config
         issues = []
         top = int(batch.positions.max(initial=0))
-        read = dict(batch.tables.items()) if tables is None else tables
+        if tables is None and not isinstance(batch, PackedBatch):
+            raise TypeError("batch_issues of a persistent step's rows needs the tables the kernels read")
+        read = dict(batch.tables.items()) if isinstance(batch, PackedBatch) and tables is None else tables or {}
         for pool in sorted({p for i in layers for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
             pl = cfg.layout.pools[pool]
             table = read[pool]  # the kernels flatten the table they read, its own rows and columns (R_t * W_t)

@@ -11,13 +11,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dspark_abi import Issue, ModelConfig, PackedBatch
+from dspark_abi import Issue, ModelConfig
 from dspark_kernels.model.accept import Acceptance, accept_greedy
 from dspark_kernels.model.backends import HcMix
 from dspark_kernels.model.block_weights import HcWeights, HeadWeights, MoEWeights
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.numerics import Precision, narrow, rms_norm
-from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.plan import BatchPlan, StepRows
 from dspark_kernels.model.prepared import PreparedWeights
 from dspark_kernels.reference import head, hyper_connections, moe
 from dspark_kernels.reference.attention import attend
@@ -26,7 +26,7 @@ from dspark_kernels.reference.attention import attend
 class ReferenceBackend:
     """The numpy reference's :class:`~dspark_kernels.model.backends.Backend` (stateless; pickles)."""
 
-    def batch_issues(self, batch: PackedBatch, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
+    def batch_issues(self, batch: StepRows, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
                      ) -> list[Issue]:
         """None: the reference computes any valid batch, through any tables that map its pages."""
         return []
