@@ -203,7 +203,12 @@ def test_both_table_forms_run_the_same_loop_bit_for_bit(weights, tp, mode):
     for got, want in (tuple(runs.values()), tuple(plains.values())):
         assert len(got.steps) == len(want.steps)
         for a, b in zip(got.steps, want.steps, strict=True):
-            assert a.batch == b.batch                    # the step's full form is the batch build() made
+            # the persistent step's own rows are build()'s batch's: rows, slot mappings, request record
+            for name in ("query_start_loc", "positions", "token_ids", "logit_rows"):
+                np.testing.assert_array_equal(getattr(a.batch, name), getattr(b.batch, name), err_msg=name)
+            for pool, rows in b.batch.slots.items():
+                np.testing.assert_array_equal(a.batch.slots[pool], rows, err_msg=pool)
+            np.testing.assert_array_equal(a.batch.requests.ids, b.batch.requests.ids)
         for i, tokens in want.tokens.items():
             np.testing.assert_array_equal(got.tokens[i], tokens)
         for name, array in got.caches.arrays().items():
