@@ -5,8 +5,9 @@ Two measurements, medians over the steps, one process, both forms on the same se
 
 * **metadata**: a verify loop of R requests at deep, ragged contexts (TINY heads at the real 1M-position depth),
   every step ``1 + K`` rows per request and a random accepted count: queue, build, the kernels' host work that
-  precedes any layer (for the persistent form: the mirror's ``apply`` and the plan source, i.e. the step's full
-  form), the whole group's :class:`~dspark_kernels.model.plan.BatchPlan`, commit. No forward runs.
+  precedes any layer (for the persistent form: the mirror's ``apply``, the step's one proof, and the plan source:
+  the step's own rows, its slots and generations checked, O(R); no full form), the whole group's
+  :class:`~dspark_kernels.model.plan.BatchPlan`, commit. No forward runs.
 * **loop**: ``generate`` on TINY_DSPARK (random drafter, mixed prefill + verify steps, single process): the
   wall time of whole steps, forward included (``StepRecord.seconds``).
 
@@ -38,7 +39,7 @@ DEEP = TINY_1M.model_copy(update={"name": "tiny-1m-dspark", "dspark_target_layer
 def metadata_step_ms(form: str, requests: int, max_context: int, steps: int, tp: int, seed: int
                      ) -> dict[str, list[float]]:
     """Milliseconds of host metadata per verify step in ``form``, by part: ``step`` (queue and build; for the
-    persistent form also the mirror's ``apply`` and the step's full form, what a forward derives first),
+    persistent form also the mirror's ``apply`` and the plan source, what a forward derives first),
     ``plan`` (the whole group's :class:`~dspark_kernels.model.plan.BatchPlan`), ``commit``, and ``total``."""
     rng = np.random.default_rng(seed)
     contexts = rng.integers(max_context // 2, max_context, requests).astype(np.int64)

@@ -144,7 +144,8 @@ def test_the_loops_make_no_full_form_and_check_each_step_once(tp, mode, monkeypa
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY_DSPARK.vocab_size, n) for n in (5, 23, 40)]
     args = dict(tp=tp, tp_mode=mode, prefill_chunk=8)
-    want = generate(prompts, dspark, RandomDrafter(TINY_DSPARK.vocab_size, seed=1), 6, TINY_DSPARK.dspark_block_size, **args, tables="full")
+    drafts = TINY_DSPARK.dspark_block_size
+    want = generate(prompts, dspark, RandomDrafter(TINY_DSPARK.vocab_size, seed=1), 6, drafts, **args, tables="full")
     want_plain = greedy_decode(prompts, dspark, 3, tp=tp, tp_mode=mode, tables="full")
 
     _refuse_full_forms(monkeypatch)
@@ -156,7 +157,8 @@ def test_the_loops_make_no_full_form_and_check_each_step_once(tp, mode, monkeypa
         return apply(self, step)
 
     monkeypatch.setattr(persistent.PersistentTables, "apply", counted)
-    got = generate(prompts, dspark, RandomDrafter(TINY_DSPARK.vocab_size, seed=1), 6, TINY_DSPARK.dspark_block_size, **args, tables="persistent")
+    got = generate(prompts, dspark, RandomDrafter(TINY_DSPARK.vocab_size, seed=1), 6, drafts, **args,
+                   tables="persistent")
     assert len(applied) == len(set(applied)) == len(got.steps)   # one proof of each step's delta, by the mirror
     got_plain = greedy_decode(prompts, dspark, 3, tp=tp, tp_mode=mode, tables="persistent")
     for a, b in ((got, want), (got_plain, want_plain)):
