@@ -102,7 +102,8 @@ class StepRows(Protocol):
     """What the kernels read of a step besides its block tables, in either form: a full-form
     :class:`~dspark_abi.PackedBatch` satisfies it, a :class:`~dspark_abi.persistent.PersistentStep` through
     :class:`PersistentRows`. Every array is the full form's (spec 4.1): query_start_loc [R+1] int32, positions
-    [P] int32, the seven [P] int64 slot mappings, token_ids [P] int64 | None, logit_rows [M] int32 | None;
+    [P] int32, the seven [P] int64 slot mappings, token_ids [P] int64 | None, logit_rows [M] int32 | None,
+    request_ids [R] int64, verify_widths [R] int32 | None, logit_mode [R] int8 | None;
     ``row_request`` [P] int32 (-1 on padding rows); ``requests`` the per-request record."""
 
     @property
@@ -123,6 +124,12 @@ class StepRows(Protocol):
     def token_ids(self) -> np.ndarray | None: ...
     @property
     def logit_rows(self) -> np.ndarray | None: ...
+    @property
+    def request_ids(self) -> np.ndarray | None: ...
+    @property
+    def verify_widths(self) -> np.ndarray | None: ...
+    @property
+    def logit_mode(self) -> np.ndarray | None: ...
     @property
     def num_requests(self) -> int: ...
     @property
@@ -183,6 +190,18 @@ class PersistentRows:
     @property
     def logit_rows(self) -> np.ndarray | None:
         return self.step.logit_rows
+
+    @property
+    def request_ids(self) -> np.ndarray:
+        return self.step.request_ids
+
+    @property
+    def verify_widths(self) -> np.ndarray | None:
+        return self.step.verify_widths
+
+    @property
+    def logit_mode(self) -> np.ndarray | None:
+        return self.step.logit_mode
 
     @property
     def num_requests(self) -> int:
@@ -323,19 +342,25 @@ class BatchPlan:
     window_rope: dict[int, RopeRows]
 
     @classmethod
-    def build(cls, batch: PackedBatch, *, rank: int | None = None, precision: str = "fp32",
+    def build(cls, batch: StepRows, *, rank: int | None = None, precision: str = "fp32",
               tables: Mapping[str, np.ndarray] | None = None, request_table_row: np.ndarray | None = None
               ) -> BatchPlan:
-        """The plan of ``batch`` (validated) for ``rank`` (None = the whole group) in ``precision``.
+        """The plan of ``batch`` (validated: a :class:`PackedBatch`, or the :class:`StepRows` of a persistent
+        step) for ``rank`` (None = the whole group) in ``precision``.
 
-        tables / request_table_row: the block tables the kernels read (every pool of ``batch.tables``, each
-        [R_t, W_t] int32, mapping at least the pages the batch's own tables map) and the [R] row of them each
-        request reads; default the batch's own tables, row r for request r.
+        tables / request_table_row: the block tables the kernels read (every pool, each [R_t, W_t] int32, mapping
+        at least the pages the batch's own tables map) and the [R] row of them each request reads; default a
+        :class:`PackedBatch`'s own tables, row r for request r (rows without tables must name theirs).
         Raises :class:`ABIError` ``rank.index`` for a rank outside the group, ``array.shape`` for tables or rows
-        that do not fit, ValueError for an unknown precision.
+        that do not fit, ``array.missing`` for rows without tables, ValueError for an unknown precision.
         """
-        read = dict(batch.tables.items()) if tables is None else tables
-        return cls._derive(batch, rank, check_precision(precision), read, request_table_row,
+        prec = check_precision(precision)
+        if tables is None and not isinstance(batch, PackedBatch):
+            raise ABIError([Issue("array.missing", "tables", "a step's rows carry no block tables",
+                                  expected="pool -> [R_t, W_t] int32", actual=None,
+                                  fix="plan a persistent step with PlanSource.of(step, tables).plan()")])
+        read = dict(batch.tables.items()) if isinstance(batch, PackedBatch) and tables is None else tables or {}
+        return cls._derive(batch, rank, prec, read, request_table_row,
                            _table_issues(batch, tables, request_table_row, read))
 
     @classmethod
@@ -505,5 +530,5 @@ class PlanSource:
 
     def plan(self, *, rank: int | None = None, precision: str = "fp32") -> BatchPlan:
         """The :class:`BatchPlan` of ``rank`` (None = the whole group) in ``precision``."""
-        return BatchPlan._derive(self.batch, rank, check_precision(precision), self.tables, self.request_table_row,
-                                 self.table_issues())
+        return BatchPlan.build(self.batch, rank=rank, precision=precision, tables=self.tables,
+                               request_table_row=self.request_table_row)

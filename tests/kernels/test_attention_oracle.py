@@ -59,8 +59,8 @@ def run_step(form, alloc, requests, tp, layer, seqs, weights, caches):
     builder.commit(step)
     plan = BatchPlan.from_step(step, alloc.persistent)
     caches = caches or LayerCaches.allocate(TINY, layer, plan.batch.pool_blocks)
-    return plan.batch, caches, attend(plan, layer, hidden_rows(plan.batch, seqs), prepared_for(weights, "fp32", None),
-                                      caches)
+    out = attend(plan, layer, hidden_rows(plan.batch, seqs), prepared_for(weights, "fp32", None), caches)
+    return step.to_full(alloc.persistent), caches, out      # the plan reads the step's rows; the checks, its tables
 
 
 @pytest.mark.parametrize("form", FORMS)
