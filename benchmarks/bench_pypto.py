@@ -36,8 +36,16 @@ priced. Key sets (representative of a prefill about 4k tokens deep, the middle o
 
 Stages whose kernels do not exist yet are printed as ``missing`` and the sums name them.
 
+``--round`` prints instead one DSpark draft + verify round (R = 64 requests, K = 5 drafts, contexts of 65,536
+positions): the drafter's table over R x B block rows (B = ``dspark_block_size``; its draft attention is the
+sparse-attention kernel over the W ring keys plus the B block keys), the verify step's table over R x (1 + K) rows
+that deep (indexer candidates and HCA entries follow the depth: 16,384 and 512 per row), then per part (three
+drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule, the verify
+step's once-per-call stages) and in total, per die. The Markov and confidence heads run on the host (no kernel) and
+are not priced, nor is the drafter's observe of the accepted rows.
+
 Usage: python benchmarks/bench_pypto.py [--quick] [--rows P] [--layer-rows P] [--tp TP] [--requests R]
-[--stages ...] [--tables-only] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
+[--stages ...] [--tables-only] [--round] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
 ``--stages`` prints only their table; --quick: one table at P = 128 = 2 x 64 and one at P = 64, everything else
 the same). A full run took 25 minutes on the shared 2-core machine (the P = 64 table 11 of them, the MoE experts
 kernel at L = 128 under 3); ``--reuse`` an earlier ``--json`` file with ``--rerun`` the stages a change touched.
@@ -727,31 +735,40 @@ def packing(chunk: dict[str, dict[str, Any]], single: dict[str, dict[str, Any]],
 #: One draft + verify round (``--round``): requests, drafts per verify step K and the context every request has.
 ROUND_REQUESTS, ROUND_DRAFTS, ROUND_CONTEXT = 64, 5, 65536
 #: Kernel calls of one drafter stage (a V4 block: hc_pre / hc_post around attention and around the MoE; the
-#: block rows' keys are the target's shared kv kernel) and of the drafter's head over every block row (hc_head +
-#: RMSNorm, then the LM head's vocabulary shard).
+#: block rows' keys are the target's shared kv kernel) and of the drafter's head over every block row (hc_head for
+#: the confidence head's input, hc_head + RMSNorm, then the LM head's vocabulary shard).
 DRAFT_STAGE_CALLS = (("hc_pre", 2), ("shared_kv", 1), ("query", 1), ("draft_attn", 1), ("o_proj", 1),
                      ("hc_post", 2), ("moe_gate", 1), ("moe_experts", 1))
-DRAFT_HEAD_CALLS = (("final_hidden", 1), ("lm_head", 1))
+DRAFT_HEAD_CALLS = (("hc_head", 1), ("final_hidden", 1), ("lm_head", 1))
 #: Per-round work no kernel prices: the Markov head's left-to-right biased argmax and the confidence head run on
 #: the host (reference-only stages), and the drafter's observe of the accepted rows (main_proj, RMSNorm and each
 #: stage's window keys of at most K + 1 rows per request) is left out.
 ROUND_UNPRICED = ("markov head (host)", "confidence head (host)", "observe of accepted rows")
 
 
-def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS, context: int = ROUND_CONTEXT
-                ) -> dict[str, Any]:
+def round_geometries(requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS) -> dict[str, list[int]]:
+    """{"draft": [P, R], "verify": [P, R]} of one round: R x B block rows, R x (1 + K) verify rows."""
+    return {"draft": [requests * FLASH_DSPARK.dspark_block_size, requests], "verify": [requests * (1 + drafts),
+                                                                                      requests]}
+
+
+def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS, context: int = ROUND_CONTEXT,
+                earlier: dict[tuple[int, int], dict[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Cost-model cycles of one speculative round at FLASH sizes: the drafter's stages and head over R x B block
     rows, then the target's verify step over R x (1 + K) rows ``context`` positions deep (every layer of the
-    FLASH schedule, the head over every row, hc_head after each DSpark target layer); per die of a TP group."""
+    FLASH schedule, the head over every row, hc_head after each DSpark target layer); per die of a TP group.
+    earlier: an earlier ``--round --json`` run's tables by (P, R) (``--reuse``)."""
     b, stages = FLASH_DSPARK.dspark_block_size, FLASH_DSPARK.n_mtp_layers
-    p_draft, p_verify = requests * b, requests * (1 + drafts)
+    geometry = round_geometries(requests, drafts)
+    (p_draft, _), (p_verify, _) = geometry["draft"], geometry["verify"]
+    old = earlier or {}
     draft_names = sorted({n for n, _ in DRAFT_STAGE_CALLS + DRAFT_HEAD_CALLS}, key=list(LABELS).index)
     draft = measure(draft_names, p_draft, tp, requests,
                     f"draft: {stages} drafter stages + head, R={requests} x B={b} block rows",
-                    depth=context, logit_rows=p_draft)
+                    earlier=old.get((p_draft, requests)), depth=context, logit_rows=p_draft)
     verify = measure(list(STAGES), p_verify, tp, requests,
                      f"verify: R={requests} x (1 + K={drafts}) rows, {context} positions deep",
-                     depth=context, logit_rows=p_verify)
+                     earlier=old.get((p_verify, requests)), depth=context, logit_rows=p_verify)
     per_stage = [(f"draft stage x{stages}", stages, _sum(draft, DRAFT_STAGE_CALLS, p_draft)),
                  ("draft head", 1, _sum(draft, DRAFT_HEAD_CALLS, p_draft))]
     sums = layer_sums(verify, p_verify)
@@ -814,7 +831,7 @@ def main() -> None:
                         help="take the cycles of every stage an earlier --json file priced at the same geometry "
                              "(P, R, TP) instead of running its kernel again; the layer, forward and packing "
                              "figures are recomputed")
-    parser.add_argument("--rerun", nargs="*", default=[], choices=STAGES, metavar="STAGE",
+    parser.add_argument("--rerun", nargs="*", default=[], choices=list(LABELS), metavar="STAGE",
                         help="with --reuse: run these stages' kernels again (e.g. the ones a change touched)")
     args = parser.parse_args()
     earlier = _earlier_tables(args.reuse, args.tp, set(args.rerun)) if args.reuse else {}
@@ -831,7 +848,9 @@ def main() -> None:
           f"flop/cycle, {DDR_BYTES_PER_CYCLE:.0f} B/cycle DDR, {CUBE_MHZ:.0f} MHz")
     figures: dict[str, Any] = {"rows": args.rows, "tp": args.tp, "requests": args.requests, "geometries": {}}
     if args.round:
-        figures["round"] = draft_round(args.tp)
+        figures["round"] = draft_round(args.tp, earlier=earlier)
+        figures["geometries"] = round_geometries()
+        figures["draft"], figures["verify"] = figures["round"].pop("draft"), figures["round"].pop("verify")
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1))
         return

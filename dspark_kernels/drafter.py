@@ -22,10 +22,11 @@ The choice is greedy (the first maximum): DeepSeek's ``forward_head`` samples ea
 Backends: the stages shared with the target run on the drafter's :class:`~dspark_kernels.model.backends.Backend`
 (``backend="pypto"``: the pypto kernels, in their ``a2a3`` numerics): hc_pre with the fused attn_norm / ffn_norm,
 hc_post, the MoE (gate, routed and shared experts), the head's hc_head and hc_head + RMSNorm, and the LM head's
-logits. These run on the host in numpy on every backend (reference-only: no pypto kernel computes them yet):
-``main_x`` (main_proj + RMSNorm) and the window keys of ``observe``, the draft attention (its key set, ring slots
-plus block rows, non-causal, fits the pypto sparse-attention kernel's window + entry-row form, but no backend
-stage runs it yet), the Markov head's left-to-right biased argmax and the confidence head.
+logits; and the draft attention, registered per backend in :data:`DRAFT_ATTENTION` (on pypto
+:mod:`dspark_kernels.pypto.draft_attention`: its key set, ring slots plus block rows, non-causal, is the
+sparse-attention kernel's window + entry-row form). These run on the host in numpy on every backend
+(reference-only: no pypto kernel computes them yet): ``main_x`` (main_proj + RMSNorm) and the window keys of
+``observe``, the Markov head's left-to-right biased argmax and the confidence head.
 
 All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
 rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
@@ -35,6 +36,7 @@ computed by every rank (replicated).
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,7 +47,7 @@ import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_kernels.model import deepseek_numerics as ds
-from dspark_kernels.model.backends import Backend, default_backend, resolve_backend
+from dspark_kernels.model.backends import REGISTRY, Backend, default_backend, resolve_backend
 from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.drafter_cache import DrafterRings
 from dspark_kernels.model.drafter_weights import DrafterWeights, drafter_issues, stage_config
@@ -56,12 +58,18 @@ from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.model.tp import ThreadGroup, torch_all_gather
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.reference.draft_attention import block_attention, context_keys
+from dspark_kernels.reference.draft_attention import context_keys
 
 #: ``all_gather(local [L, ...]) -> [TP * L, ...]`` (rank-major), as the target's layers use.
 AllGather = Callable[[np.ndarray], np.ndarray]
 TpMode = Literal["single", "threads", "distributed"]
 TP_MODES: tuple[TpMode, ...] = ("single", "threads", "distributed")
+#: The draft attention of each backend of the registry (module, function with the signature of
+#: :func:`dspark_kernels.reference.draft_attention.block_attention`), imported when a drafter is built: a stage
+#: only the drafter has, so it is registered beside the backend registry rather than in the Backend protocol.
+DRAFT_ATTENTION: dict[str, tuple[str, str]] = {
+    "reference": ("dspark_kernels.reference.draft_attention", "block_attention"),
+    "pypto": ("dspark_kernels.pypto.draft_attention", "block_attention_isolated")}
 
 
 @attrs.frozen(eq=False)
@@ -75,6 +83,12 @@ class DraftOutput:
 
     tokens: np.ndarray
     confidence: np.ndarray
+
+
+def _registry_name(backend: Backend) -> str | None:
+    """The registry name of a backend object (its class's entry in the backend registry), None if unregistered."""
+    kind = (type(backend).__module__, type(backend).__qualname__)
+    return next((name for name, entry in REGISTRY.items() if entry == kind), None)
 
 
 def _share(rows: int, tp: int, rank: int) -> slice:
@@ -143,6 +157,13 @@ class DSparkDrafter:
         self.precision: Precision = check_precision(precision)
         self.tp, self.tp_mode = tp, tp_mode
         self.backend = resolve_backend(backend, precision) if isinstance(backend, str) else default_backend(backend)
+        name = backend if isinstance(backend, str) else _registry_name(self.backend)
+        if name not in DRAFT_ATTENTION:
+            raise ABIError([Issue("config.invalid", "backend", "the drafter's attention is registered for the "
+                                  "backends of the registry", expected=list(DRAFT_ATTENTION),
+                                  actual=type(self.backend).__qualname__)])
+        module, function = DRAFT_ATTENTION[name]
+        self._attention: Callable[..., np.ndarray] = getattr(importlib.import_module(module), function)
         self.rings = DrafterRings(config)
         self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
 
@@ -304,7 +325,7 @@ class DSparkDrafter:
             pre = st.hc_pre(x_hc, lw.hc_attn, sc, precision=prec, norm=lw.attn_norm)
             if pre.x_normed is None:
                 raise ValueError("the backend's hc_pre returned no x_normed although it was given the norm")
-            attn = block_attention(pre.x_normed, self.rings.rings[s, slots], visible, w, cos, sin,
+            attn = self._attention(pre.x_normed, self.rings.rings[s, slots], visible, w, cos, sin,
                                    heads=c.num_attention_heads, eps=c.rms_norm_eps, scale=c.softmax_scale,
                                    precision=prec, rows=rows)
             x_hc = st.hc_post(_gather_rows(attn, r * b, tp, all_gather), x_hc, pre.post, pre.comb, precision=prec)
