@@ -20,6 +20,11 @@ step of that element, which the three stages' norms keep within a step of the ou
   ``BF16_RTOL * |hidden| @ |head|.T`` (every normed hidden element one bf16 step off); once a row's token
   legitimately differs, the request's later rows are biased by another previous token and are not compared.
   The test prints every such row (reported, not hidden).
+
+The draft attention alone (:mod:`dspark_kernels.pypto.draft_attention` against the reference's
+``block_attention``, a2a3, rings partly filled, exactly full and wrapped, the whole block and a TP rank's share of
+its rows) is held to the whole-layer attention policy of test_pypto_attention.py: one bf16 flip of o or of a key
+moves an int8 activation of o_proj by one step, which moves outputs by <= 2**-7.
 """
 
 import numpy as np
@@ -29,15 +34,22 @@ from tolerances import BF16_ATOL_CANCELLING, BF16_RTOL, MAX_DIFFERING_FRACTION, 
 from dspark_abi import ABIError
 from dspark_abi.presets import TINY_DSPARK
 from dspark_kernels.drafter import DSparkDrafter
-from dspark_kernels.model.drafter_weights import DrafterWeights
+from dspark_kernels.model.drafter_weights import DrafterWeights, stage_config
+from dspark_kernels.model.numerics import bf16_round
+from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.rope import rope_at
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.pypto.backend import PyptoBackend
+from dspark_kernels.pypto.draft_attention import block_attention_isolated
+from dspark_kernels.reference.draft_attention import block_attention
 
 pytestmark = pytest.mark.pypto
 
 C = TINY_DSPARK
 D, W, B = C.hidden_size, C.sliding_window, C.dspark_block_size
 FEATURES = len(C.dspark_target_layers) * D
+#: The whole-layer attention policy of test_pypto_attention.py (its module docstring).
+LAYER_ATOL, LAYER_RTOL, LAYER_MEAN_ATOL = 2.0**-6, 2.0**-7, 1e-3
 #: Observed rows per request: a short context, one past the window (ring wrapped) and a two-row one.
 LENGTHS = {1: 9, 2: W + 4, 3: 2}
 
@@ -121,3 +133,29 @@ def test_the_pypto_drafter_needs_the_a2a3_precision():
     with pytest.raises(ABIError) as err:
         DSparkDrafter.random(C, ModelWeights.random(C, 0), precision="fp32", backend="pypto")
     assert err.value.issues[0].code == "config.invalid"
+
+
+def test_pypto_draft_attention_equals_the_reference_within_the_attention_policy():
+    prec = "a2a3"
+    w = prepare_weights(DrafterWeights.random(C, 3).stage(1).attn, prec)
+    rng = np.random.default_rng(5)
+    r = 3
+    anchors_at = np.array([2, W, W + 9])                     # rings partly filled, exactly full, wrapped
+    visible = np.minimum(W, anchors_at)
+    ring = bf16_round(rng.standard_normal((r, W, C.head_dim)).astype(np.float32))
+    x = bf16_round(rng.standard_normal((r * B, D)).astype(np.float32))
+    cos, sin = rope_at(stage_config(C), "swa", (anchors_at[:, None] + np.arange(B)).reshape(-1), prec)
+    kw = {"heads": C.num_attention_heads, "eps": C.rms_norm_eps, "scale": C.softmax_scale, "precision": prec}
+    share = slice(2, 7)                                      # a TP rank's rows: across a request boundary
+    want = block_attention(x, ring, visible, w, cos, sin, **kw)
+    got = block_attention_isolated(x, ring, visible, w, cos, sin, **kw)
+    got_share = block_attention_isolated(x, ring, visible, w, cos, sin, rows=share, **kw)
+    assert got.shape == want.shape and np.isfinite(got).all()
+    print(f"\ndraft attention: max |pypto - reference| {float(np.abs(got - want).max()):.3g}, "
+          f"{float(np.mean(got != want)):.3f} of the outputs differ")
+    np.testing.assert_allclose(got, want, rtol=LAYER_RTOL, atol=LAYER_ATOL)
+    assert np.abs(got - want).mean() <= LAYER_MEAN_ATOL
+    np.testing.assert_array_equal(got_share, got[share])
+    # the ring matters: the reference without it moves the output far past the tolerance
+    no_ring = block_attention(x, ring, np.ones_like(visible), w, cos, sin, **kw)
+    assert np.abs(no_ring - want).max() > 10 * LAYER_ATOL
