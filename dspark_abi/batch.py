@@ -21,7 +21,7 @@ import numpy as np
 from dspark_abi._base import array_eq
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, ValidationReport
-from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
+from dspark_abi.fields import BATCH_FIELDS, BY_NAME, SLOT_FIELDS, SLOT_SPECS, TABLE_FIELDS, TABLE_SPECS
 from dspark_abi.layout import POOL_NAMES, PoolName
 from dspark_abi.lowering import lower_local_request_ids
 from dspark_abi.policy import PaddingPolicy
@@ -214,6 +214,10 @@ class RankView:
     token_ids: np.ndarray | None
     slots: SlotMappings
     requests: BatchRequests | None = attrs.field(default=None, eq=False, repr=False)
+    local: Mapping[str, np.ndarray] = attrs.field(factory=dict, eq=False, repr=False)
+    """Flat ABI name -> the rank's [L] slice of every per-row field the batch carries (the fields
+    :data:`dspark_abi.fields.FIELDS` declares with a leading ``P`` axis: positions, token ids, the seven slot
+    mappings and any later one); ``positions``, ``token_ids`` and ``slots`` above are views of its entries."""
 
 
 @attrs.frozen(eq=True)
@@ -342,11 +346,14 @@ class PackedBatch(BatchGeometry):
         if bad_rank:
             raise ABIError(bad_rank)
         lo, hi = self.policy.rank_rows(r, self.num_tokens)
+        # every declared per-row field ([P] first axis), sliced: the declarations say which they are
+        local = {name: array[lo:hi] for name, array in self.to_arrays().items() if BY_NAME[name].shape[0] == "P"}
         return RankView(
-            rank=r, row_start=lo, row_stop=hi, positions=self.positions[lo:hi],
+            rank=r, row_start=lo, row_stop=hi, positions=local["positions"],
             local_request_ids=self.row_request[lo:hi],   # the batch's one ownership array, sliced
-            token_ids=None if self.token_ids is None else self.token_ids[lo:hi],
-            slots=SlotMappings(**{p: a[lo:hi] for p, a in self.slots.items()}), requests=self.requests,
+            token_ids=local.get("token_ids"),
+            slots=SlotMappings(**{p: local[n] for p, n in SLOT_FIELDS.items()}), requests=self.requests,
+            local=local,
         )
 
     @classmethod

@@ -13,11 +13,13 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, PackedBatch
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_abi.rules import padding_hidden_issues, padding_token_issues
 from dspark_kernels.model.backends import BACKENDS, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardOptions, ForwardResult, run_forward
 from dspark_kernels.model.numerics import PRECISIONS
+from dspark_kernels.model.plan import PlanSource
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 
@@ -84,11 +86,18 @@ class PrefillResult:
         return out
 
 
-def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
-            backend: BackendName = "reference", precision: str = "fp32", layers: Sequence[int] | None = None,
+def prefill(batch: PackedBatch | PersistentStep, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
+            tables: PersistentTables | None = None, backend: BackendName = "reference", precision: str = "fp32",
+            layers: Sequence[int] | None = None,
             logit_rows: Sequence[int] | np.ndarray | None = None, prepared: PreparedWeightsCache | None = None,
             on_layer: Callable[[int, int], None] | None = None) -> PrefillResult:
     """Run a packed prefill of ``batch`` for the whole TP group on one process.
+
+    batch: a full-form :class:`PackedBatch`, or a :class:`~dspark_abi.persistent.PersistentStep` (the persistent
+    form, ``BatchBuilder.build_step()``) with ``tables``: the persistent tables holding the step's delta (a device
+    mirror after ``mirror.apply(step)``, or ``allocator.persistent`` after ``builder.commit(step)``); the kernels then
+    read those tables at each request's slot, with the results of the full form bit for bit.
+    ``PrefillResult.batch`` is the step's full form (``step.to_full(tables)``, for the per-request views).
 
     inputs: [P] int64 token ids (embedded here) or [P, D] / [P, hc, D] float32 hidden rows; padding rows
     must be zero. weights: :class:`ModelWeights` (random, in-memory or lazily read safetensors).
@@ -104,6 +113,8 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
     prepared: a cache of prepared attention weights to reuse across calls (default: one for this call).
     For one rank's view of a TP group see :mod:`dspark_kernels.model.tp`.
     """
+    source = PlanSource.of(batch, tables)   # a step: its full form (validated) and the tables the kernels read
+    batch = source.batch
     issues = _check(batch, inputs, weights, backend)
     if precision not in PRECISIONS:
         issues.append(Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS),
@@ -121,14 +132,14 @@ def prefill(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, cache
         elif precision in PRECISIONS:
             issues += caches.issues_for(batch, precision, run)
         if resolved is not None:
-            issues += resolved.batch_issues(batch, run)  # e.g. the pypto kernels' fp32 index range
+            issues += resolved.batch_issues(batch, run, source.read_tables())   # e.g. the pypto fp32 index range
     if issues or run is None or resolved is None:
         raise ABIError(issues)
     snapshot = _snapshot_written_rows(batch, caches, run)
     try:
         options = ForwardOptions(precision=precision, layers=run, logit_rows=logit_rows, backend=resolved,
                                  prepared=prepared, on_layer=on_layer, caches_checked=True)
-        result: ForwardResult = run_forward(batch, inputs, weights, caches, options)
+        result: ForwardResult = run_forward(source, inputs, weights, caches, options)
     except BaseException:
         _restore(caches, snapshot)  # nothing half-written survives a failed call
         raise

@@ -35,14 +35,17 @@ import numpy as np
 
 from dspark_abi import ABIError, BatchBuilder, BlockAllocator, Issue, ModelConfig, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_kernels.model.accept import Acceptance, greedy_matrix
 from dspark_kernels.model.backends import Backend, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
+from dspark_kernels.model.plan import PlanSource
 from dspark_kernels.model.weights import ModelWeights
 
 __all__ = [
     "FEATURE_REDUCTIONS",
+    "TABLE_FORMS",
     "TP_MODES",
     "ConditionedDrafter",
     "DraftBlock",
@@ -64,6 +67,10 @@ __all__ = [
 TpMode = Literal["single", "threads", "distributed"]
 #: How a step's forward runs a TP group: one process ("single"), one thread per rank, one process per rank.
 TP_MODES: tuple[TpMode, ...] = ("single", "threads", "distributed")
+TableForm = Literal["persistent", "full"]
+#: The block-table form the loops run on: ``"persistent"`` (spec 5.9: ``build_step()``, the kernels read the
+#: persistent tables through a mirror advanced by each step's delta; the default) or ``"full"`` (``build()``).
+TABLE_FORMS: tuple[TableForm, ...] = ("persistent", "full")
 FeatureReduction = Literal["mean", "hc_head"]
 #: How the loop reduces a target layer's hc streams to the drafter's features: ``"mean"`` (DeepSeek's definition,
 #: what the checkpoint's drafter was trained on) or ``"hc_head"`` (upstream pypto-lib's; only when asked for
@@ -327,60 +334,115 @@ class _Forward:
 
 @attrs.define
 class _Runner:
-    """Runs one batch's forward in a TP mode and keeps ``caches`` current."""
+    """Runs one step's forward in a TP mode on the chosen table form and keeps ``caches`` current.
+
+    tables: ``"persistent"``: steps come from ``BatchBuilder.build_step()`` and the kernels read the persistent
+    tables through a mirror the runner keeps (``mirror``, loaded once from the allocator's tables and advanced by
+    each step's delta before its forward, as a device table is; a distributed group keeps one per rank process
+    instead); ``"full"``: ``build()`` batches with their own tables."""
 
     weights: ModelWeights
     caches: ModelCaches
     mode: TpMode
     backend: BackendName
     precision: str
+    allocator: BlockAllocator
+    tables: TableForm = "persistent"
     stages: Backend = attrs.field(init=False)
     """The backend's stages (its acceptance stage runs after each forward)."""
+    mirror: PersistentTables | None = attrs.field(init=False, default=None)
+    """The host mirror of the persistent tables (single and threads modes)."""
+    group: Any = attrs.field(init=False, default=None)
+    """The distributed mode's :class:`~dspark_kernels.model.tp.RankGroup` (persistent form), started at the first
+    step."""
 
     def __attrs_post_init__(self) -> None:
         self.stages = resolve_backend(self.backend, self.precision)
+        if self.tables == "persistent":
+            self.mirror = self.allocator.persistent.copy()
 
-    def forward(self, batch: PackedBatch) -> _Forward:
-        """The forward of ``batch`` at its own logit rows; ``caches`` hold its writes afterwards."""
-        tokens = batch.token_ids
+    def build(self, builder: BatchBuilder) -> PackedBatch | PersistentStep:
+        """The queued requests' step in the runner's table form."""
+        return builder.build_step() if self.tables == "persistent" else builder.build()
+
+    def forward(self, step: PackedBatch | PersistentStep) -> tuple[PackedBatch, _Forward]:
+        """The step's full form and its forward at its own logit rows; ``caches`` hold its writes afterwards."""
+        tokens = step.token_ids
         if tokens is None:   # the loop always gives token ids; a batch without them cannot be verified
             raise ABIError([Issue("array.missing", "token_ids", "a step of the loop needs token ids",
                                   expected="[P] int64", actual="None")])
+        from dspark_kernels.model import tp
+
+        if self.mode == "distributed" and isinstance(step, PersistentStep):
+            return self._distributed_step(step, tokens)
+        tables = None
+        if isinstance(step, PersistentStep) and self.mirror is not None:
+            self.mirror.grow(self.allocator.persistent.slots)
+            self.mirror.apply(step)             # the delta, before the forward reads the tables
+            tables = self.mirror
         if self.mode == "single":
             from dspark_kernels.api import prefill
 
-            res = prefill(batch, tokens, self.weights, self.caches, backend=self.backend, precision=self.precision)
-            return _Forward(res.logit_rows, res.sampled, res.logits, res.target_hidden, res.target_hidden_hc_head)
-        from dspark_kernels.model import tp
-
+            res = prefill(step, tokens, self.weights, self.caches, tables=tables, backend=self.backend,
+                          precision=self.precision)
+            return res.batch, _Forward(res.logit_rows, res.sampled, res.logits, res.target_hidden,
+                                       res.target_hidden_hc_head)
+        source = PlanSource.of(step, tables)    # the full form: once per step, for every rank
         if self.mode == "threads":
-            result = tp.run_tp_inprocess(batch, tokens, self.weights, self.caches, precision=self.precision,
+            result = tp.run_tp_inprocess(source, tokens, self.weights, self.caches, precision=self.precision,
                                          backend=self.backend)[0].result
         else:
-            ranks = tp.launch(tp.DistributedJob(batch, tokens, self.weights, self.caches,
+            ranks = tp.launch(tp.DistributedJob(source.batch, tokens, self.weights, self.caches,
                                                 precision=self.precision, backend=self.backend))
-            for name, array in self.caches.arrays().items():      # the rank processes wrote their own copies
-                array[...] = ranks[0].caches.arrays()[name]
+            self._take_caches(ranks[0].caches)
             result = ranks[0].result
-        return _Forward(result.logit_rows, result.sampled, result.logits, result.target_hidden,
-                        result.target_hidden_hc_head)
+        return source.batch, _Forward(result.logit_rows, result.sampled, result.logits, result.target_hidden,
+                                      result.target_hidden_hc_head)
+
+    def _distributed_step(self, step: PersistentStep, tokens: np.ndarray) -> tuple[PackedBatch, _Forward]:
+        """A persistent step on the rank processes: each applies the delta to its own mirror; the host reads the
+        allocator's tables (as of the step's build) for the step's full form."""
+        from dspark_kernels.model import tp
+
+        if self.group is None:
+            self.group = tp.RankGroup(step.policy.tp_size, self.allocator.persistent, attention=self.backend,
+                                      precision=self.precision)
+        batch = step.to_full(self.allocator.persistent)
+        ranks = self.group.run(tp.DistributedJob(step, tokens, self.weights, self.caches, precision=self.precision,
+                                                 backend=self.backend), self.allocator.persistent.slots)
+        self._take_caches(ranks[0].caches)
+        r = ranks[0].result
+        return batch, _Forward(r.logit_rows, r.sampled, r.logits, r.target_hidden, r.target_hidden_hc_head)
+
+    def _take_caches(self, written: ModelCaches) -> None:
+        for name, array in self.caches.arrays().items():      # the rank processes wrote their own copies
+            array[...] = written.arrays()[name]
+
+    def close(self) -> None:
+        """Stop the distributed mode's rank processes, if any."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 def _runner(config: ModelConfig, weights: ModelWeights, caches: ModelCaches | None, allocator: BlockAllocator | None,
-            lengths: Sequence[int], tp_mode: TpMode, backend: BackendName, precision: str, slack: int
-            ) -> tuple[_Runner, BlockAllocator]:
+            lengths: Sequence[int], tp_mode: TpMode, backend: BackendName, precision: str, slack: int,
+            tables: TableForm = "persistent") -> tuple[_Runner, BlockAllocator]:
     issues = backend_issues(backend, precision) if precision in PRECISIONS else [
         Issue("config.invalid", "precision", "unknown precision", expected=list(PRECISIONS), actual=repr(precision))]
     if tp_mode not in TP_MODES:
         issues.append(Issue("config.invalid", "tp_mode", "unknown TP mode", expected=list(TP_MODES),
                             actual=repr(tp_mode)))
+    if tables not in TABLE_FORMS:
+        issues.append(Issue("config.invalid", "tables", "unknown table form", expected=list(TABLE_FORMS),
+                            actual=repr(tables)))
     if issues:
         raise ABIError(issues)
     if allocator is None:
         allocator = BlockAllocator(config, pool_blocks_for(config, list(lengths), slack=slack))
     if caches is None:
         caches = ModelCaches.allocate(config, allocator.pool_blocks, precision=precision)
-    return _Runner(weights, caches, tp_mode, backend, precision), allocator
+    return _Runner(weights, caches, tp_mode, backend, precision, allocator, tables), allocator
 
 
 def _check_counts(values: Mapping[str, tuple[object, int]]) -> None:
@@ -550,7 +612,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
              tp: int = 1, tp_mode: TpMode = "single", backend: BackendName = "reference", precision: str = "fp32",
              prefill_chunk: int = 16, cached: Sequence[int] | None = None,
              allocator: BlockAllocator | None = None, caches: ModelCaches | None = None, slack: int = 8,
-             on_step: Callable[[StepRecord, ModelCaches], None] | None = None) -> GenerateResult:
+             on_step: Callable[[StepRecord, ModelCaches], None] | None = None,
+             tables: TableForm = "persistent") -> GenerateResult:
     """Greedy speculative decoding of ``prompts`` (request ids 0..n-1) with ``drafter``, up to ``max_new_tokens``
     each, verifying at most ``K`` drafts per request and step.
 
@@ -571,6 +634,9 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     allocator knows them; a conditioned drafter observes only the rows this loop computes); default fresh pools
     sized for the prompts and ``slack`` blocks more per pool.
     on_step(record, caches) runs after each commit (tests plant garbage in rejected rows there).
+    tables: the block-table form of the steps (:data:`TABLE_FORMS`): ``"persistent"`` (default; every step is
+    ``build_step()``'s, the kernels read the persistent tables, ``StepRecord.batch`` is the step's full form) or
+    ``"full"``; both give the same tokens.
     """
     cfg = weights.config
     _check_counts({"max_new_tokens": (max_new_tokens, 1), "K": (K, 0), "prefill_chunk": (prefill_chunk, 1),
@@ -586,7 +652,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
         raise ABIError(issues)
     tokens, done = _prompts(prompts, cached, cfg.vocab_size, cfg.max_position_embeddings)
     runner, alloc = _runner(cfg, weights, caches, allocator, [t.size + max_new_tokens + K + 1 for t in tokens],
-                            tp_mode, backend, precision, slack)
+                            tp_mode, backend, precision, slack, tables)
     conditioned = drafter if isinstance(drafter, ConditionedDrafter) else None
     builder = BatchBuilder(cfg, PaddingPolicy(tp_size=tp), alloc)
     generated: list[list[int]] = [[] for _ in tokens]
@@ -617,8 +683,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
             verify_inputs = [np.concatenate([[generated[i][-1]], d]) for i, d in zip(live, drafts, strict=True)]
             for i, ids in zip(live, verify_inputs, strict=True):
                 builder.add_verify(i, num_cached=done[i], token_ids=ids)
-            batch = builder.build()
-            out = runner.forward(batch)
+            step = runner.build(builder)
+            batch, out = runner.forward(step)
             logit_rows, sampled, target = out.logit_rows, out.sampled, out.features(features)
             order = {int(r): k for k, r in enumerate(batch.requests.ids)}
             starts = np.asarray(batch.query_start_loc[:-1], dtype=np.int64)
@@ -627,7 +693,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
             outcome = _accept(runner.stages, verify_inputs, width, sampled, logit_rows, v_starts, batch.padded_rows)
             accepted = np.array([chunks.get(int(r), 0) for r in batch.requests.ids], np.int64)
             accepted[[order[i] for i in live]] = outcome.accepted
-            builder.commit(batch, accepted=accepted)
+            builder.commit(step, accepted=accepted)
             # the committed rows per request: (request, first position, first group row, rows)
             committed = [(i, done[i], int(starts[order[i]]), chunks[i]) for i in pre]
             # results: the final prefill chunks sample the first generated token; verify requests keep their prefix
@@ -660,6 +726,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
             with contextlib.suppress(Exception):     # the step's own error is the one to report
                 conditioned.release(sorted(observed))
         raise
+    finally:
+        runner.close()
     return GenerateResult(tokens={i: np.asarray(g[:max_new_tokens], np.int64) for i, g in enumerate(generated)},
                           accepted_lengths=lengths, steps=steps, caches=runner.caches, allocator=alloc)
 
@@ -726,45 +794,54 @@ def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelW
                   tp: int = 1, tp_mode: TpMode = "single", backend: BackendName = "reference",
                   precision: str = "fp32",
                   cached: Sequence[int] | None = None, allocator: BlockAllocator | None = None,
-                  caches: ModelCaches | None = None, slack: int = 8) -> GenerateResult:
+                  caches: ModelCaches | None = None, slack: int = 8, tables: TableForm = "persistent"
+                  ) -> GenerateResult:
     """Plain greedy decoding, the golden reference of :func:`generate`: each prompt prefilled in one chunk, then
     one token per request and step (a prefill chunk of one token with logits at its row). Also returns each
     generated token's top-2 logit margin (``margins``), which says where an fp32 summation-order difference
-    could flip a greedy choice."""
+    could flip a greedy choice. tables: the block-table form of the steps, as :func:`generate`'s."""
     cfg = weights.config
     _check_counts({"max_new_tokens": (max_new_tokens, 1), "tp": (tp, 1)})
     tokens, done = _prompts(prompts, cached, cfg.vocab_size, cfg.max_position_embeddings)
     runner, alloc = _runner(cfg, weights, caches, allocator, [t.size + max_new_tokens for t in tokens],
-                            tp_mode, backend, precision, slack)
+                            tp_mode, backend, precision, slack, tables)
     builder = BatchBuilder(cfg, PaddingPolicy(tp_size=tp), alloc)
     generated: list[list[int]] = [[] for _ in tokens]
     margins: list[list[float]] = [[] for _ in tokens]
     scales: list[list[float]] = [[] for _ in tokens]
     steps: list[StepRecord] = []
     inputs = list(tokens)
-    while True:
-        live = [i for i in range(len(tokens)) if len(generated[i]) < max_new_tokens
-                and done[i] + inputs[i].size <= cfg.max_position_embeddings]
-        if not live:
-            break
-        for i in live:
-            builder.add(i, num_cached=done[i], num_new=inputs[i].size, token_ids=inputs[i])
-        batch = builder.build()
-        result = runner.forward(batch)
-        builder.commit(batch)
-        by_row = {int(r): k for k, r in enumerate(result.logit_rows) if r >= 0}
-        starts = np.asarray(batch.query_start_loc[1:], dtype=np.int64) - 1
-        for k, i in enumerate(live):
-            j = by_row[int(starts[k])]
-            top2 = np.partition(result.logits[j], -2)[-2:]
-            generated[i].append(int(result.sampled[j]))
-            margins[i].append(float(top2[1] - top2[0]))
-            scales[i].append(float(np.abs(result.logits[j]).max()))
-            done[i] += inputs[i].size
-            inputs[i] = np.array([generated[i][-1]], np.int64)
-        steps.append(StepRecord(batch=batch, prefill_ids=tuple(live), verify=(),
-                                accepted=np.diff(np.asarray(batch.query_start_loc, np.int64))))
+    with contextlib.closing(runner):
+        while True:
+            live = [i for i in range(len(tokens)) if len(generated[i]) < max_new_tokens
+                    and done[i] + inputs[i].size <= cfg.max_position_embeddings]
+            if not live:
+                break
+            _greedy_step(runner, builder, live, inputs, done, generated, margins, scales, steps)
     return GenerateResult(tokens={i: np.asarray(g, np.int64) for i, g in enumerate(generated)},
                           accepted_lengths={i: [] for i in range(len(tokens))}, steps=steps, caches=runner.caches,
                           allocator=alloc, margins={i: np.asarray(m) for i, m in enumerate(margins)},
                           logit_scales={i: np.asarray(m) for i, m in enumerate(scales)})
+
+
+def _greedy_step(runner: _Runner, builder: BatchBuilder, live: list[int], inputs: list[np.ndarray], done: list[int],
+                 generated: list[list[int]], margins: list[list[float]], scales: list[list[float]],
+                 steps: list[StepRecord]) -> None:
+    """One step of :func:`greedy_decode`: one chunk (the prompt, then the last token) per live request."""
+    for i in live:
+        builder.add(i, num_cached=done[i], num_new=inputs[i].size, token_ids=inputs[i])
+    step = runner.build(builder)
+    batch, result = runner.forward(step)
+    builder.commit(step)
+    by_row = {int(r): k for k, r in enumerate(result.logit_rows) if r >= 0}
+    starts = np.asarray(batch.query_start_loc[1:], dtype=np.int64) - 1
+    for k, i in enumerate(live):
+        j = by_row[int(starts[k])]
+        top2 = np.partition(result.logits[j], -2)[-2:]
+        generated[i].append(int(result.sampled[j]))
+        margins[i].append(float(top2[1] - top2[0]))
+        scales[i].append(float(np.abs(result.logits[j]).max()))
+        done[i] += inputs[i].size
+        inputs[i] = np.array([generated[i][-1]], np.int64)
+    steps.append(StepRecord(batch=batch, prefill_ids=tuple(live), verify=(),
+                            accepted=np.diff(np.asarray(batch.query_start_loc, np.int64))))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -137,8 +137,11 @@ class Backend(Protocol):
     :func:`run_attention` over their :class:`AttentionStages`.
     """
 
-    def batch_issues(self, batch: PackedBatch, layers: Sequence[int]) -> list[Issue]:
-        """Issues of a valid batch this backend cannot compute over ``layers`` (checked before anything runs)."""
+    def batch_issues(self, batch: PackedBatch, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
+                     ) -> list[Issue]:
+        """Issues of a valid batch this backend cannot compute over ``layers`` (checked before anything runs).
+        tables: pool -> the block table the kernels read (the persistent tables of a persistent step,
+        :meth:`~dspark_kernels.model.plan.PlanSource.read_tables`); default the batch's own."""
         ...
 
     def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision,

@@ -17,13 +17,14 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_kernels.model.backends import Backend, default_backend, head_stages
 from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
 from dspark_kernels.model.layer import AllGather, run_layer
 from dspark_kernels.model.numerics import Precision, check_precision
-from dspark_kernels.model.plan import BatchPlan
+from dspark_kernels.model.plan import PlanSource
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 
@@ -118,8 +119,9 @@ class ForwardOptions:
     caches_checked: bool = False
 
 
-def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: ModelWeights, caches: ModelCaches,
-                options: ForwardOptions | None = None, *, tp: RankContext = WHOLE_GROUP,
+def run_forward(batch: PackedBatch | PersistentStep | PlanSource, hidden_or_token_ids: np.ndarray,
+                weights: ModelWeights, caches: ModelCaches, options: ForwardOptions | None = None, *,
+                tp: RankContext = WHOLE_GROUP, tables: PersistentTables | None = None,
                 **deprecated: Any) -> ForwardResult:
     """Run ``options.layers`` (default: every layer of the config, in order) and the head.
 
@@ -131,8 +133,14 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
     vocabulary and its shards gathered too. The keywords of earlier versions (``precision=``, ``layers=``,
     ``logit_rows=``, ``backend=``, ``prepared=``, ``on_layer=``, ``caches_checked=``, ``rank=``, ``all_gather=``,
     ``attention=``) still work for one minor version, with a DeprecationWarning.
+    batch: a full-form :class:`PackedBatch`, or a :class:`~dspark_abi.persistent.PersistentStep` with ``tables``,
+    the persistent tables holding its delta (a device mirror after ``tables.apply(step)``, or the allocator's after
+    ``commit``): the kernels then read ``tables`` at each request's slot (:class:`PlanSource`); or a
+    :class:`PlanSource` already made of either (a TP group makes it once for all its ranks).
     Caches are written in place. Raises :class:`ABIError` (nothing touched) when anything does not fit.
     """
+    source = batch if isinstance(batch, PlanSource) else PlanSource.of(batch, tables)
+    batch = source.batch
     if deprecated:
         options, tp = _from_keywords(options, tp, deprecated)
     opts = ForwardOptions() if options is None else options
@@ -153,7 +161,7 @@ def run_forward(batch: PackedBatch, hidden_or_token_ids: np.ndarray, weights: Mo
                              sampled=np.full(rows.size, -1, np.int64),
                              target_hidden=np.zeros((0, len(targets) * d), np.float32) if targets else None,
                              target_hidden_hc_head=np.zeros((0, len(targets) * d), np.float32) if targets else None)
-    plan = BatchPlan.build(batch, rank=rank, precision=prec)
+    plan = source.plan(rank=rank, precision=prec)
     stages = default_backend(backend)  # the registry's reference when no backend is given
     cache = PreparedWeightsCache(keep=weights.keep_layers) if opts.prepared is None else opts.prepared
 

@@ -281,9 +281,8 @@ class BatchPlan:
         mirror does after ``tables.apply(step)`` (or the allocator's own tables after ``commit``). The per-row arrays
         and the request record come from ``step.to_full(tables)`` (validated); its narrow tables are not read.
         Raises :class:`ABIError` as :meth:`build` and as ``to_full`` (``tables.stale_slot``, ...)."""
-        batch = step.to_full(tables)
-        return cls.build(batch, rank=rank, precision=precision, tables=tables.tables,
-                         request_table_row=step.table_slots)
+        return PlanSource.of(step, tables).plan(rank=rank, precision=precision)
+
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -338,3 +337,54 @@ class BatchPlan:
         return [(max(int(s), lo) - lo, min(int(e), hi) - lo, int(r)) for s, e, r in
                 zip(self.run_starts[first:last], self.run_stops[first:last], self.run_requests[first:last],
                     strict=True)]
+
+
+@attrs.frozen(eq=False)
+class PlanSource:
+    """What a forward plans over, in either form: the one place a :class:`~dspark_abi.PackedBatch` or a
+    :class:`~dspark_abi.persistent.PersistentStep` with its tables becomes the plans of the whole group and of
+    each rank (the row split of a rank view is the batch policy's, the same for both forms).
+
+    batch: the full-form batch: the per-row arrays, slot mappings and request record every stage reads (for a
+    step, ``step.to_full(tables)``, validated). tables: pool -> [S, w_p] int32 the kernels read (the persistent
+    tables, read-only views) or None (the batch's own [R, w] tables). request_table_row: [R] int32 row of ``tables``
+    each request reads (the step's ``table_slots``) or None (row r for request r). step: the persistent step, or
+    None for a batch."""
+
+    batch: PackedBatch
+    tables: Mapping[str, np.ndarray] | None = None
+    request_table_row: np.ndarray | None = None
+    step: PersistentStep | None = None
+
+    @classmethod
+    def of(cls, batch: PackedBatch | PersistentStep, tables: PersistentTables | None = None) -> PlanSource:
+        """The source of ``batch`` (a full-form batch, ``tables`` None) or of a persistent step with the persistent
+        tables holding its delta (a device mirror after ``tables.apply(step)``, or the allocator's after
+        ``commit``). Raises :class:`ABIError`: ``array.missing`` (a step without tables), ``config.invalid``
+        (tables with a full-form batch) and whatever ``step.to_full(tables)`` raises (``tables.stale_slot``, ...)."""
+        if isinstance(batch, PersistentStep):
+            if not isinstance(tables, PersistentTables):
+                raise ABIError([Issue("array.missing", "tables", "a persistent step is read through its persistent "
+                                      "tables", expected="PersistentTables holding the step's delta",
+                                      actual=type(tables).__name__, fix="pass tables=allocator.persistent after "
+                                      "commit, or a mirror after mirror.apply(step)")])
+            return cls(batch=batch.to_full(tables), tables=tables.tables, request_table_row=batch.table_slots,
+                       step=batch)
+        if tables is not None:
+            raise ABIError([Issue("config.invalid", "tables", "persistent tables go with a PersistentStep; a "
+                                  "PackedBatch carries its own tables", expected="None",
+                                  actual=type(tables).__name__)])
+        return cls(batch=batch)
+
+    def table_issues(self) -> list[Issue]:
+        """``array.shape`` issues of the tables the plans read (none for a batch's own or a step's tables)."""
+        return _table_issues(self.batch, self.tables, self.request_table_row)
+
+    def read_tables(self) -> Mapping[str, np.ndarray]:
+        """pool -> the table the kernels read: the persistent tables, or the batch's own."""
+        return dict(self.batch.tables.items()) if self.tables is None else self.tables
+
+    def plan(self, *, rank: int | None = None, precision: str = "fp32") -> BatchPlan:
+        """The :class:`BatchPlan` of ``rank`` (None = the whole group) in ``precision``."""
+        return BatchPlan.build(self.batch, rank=rank, precision=precision, tables=self.tables,
+                               request_table_row=self.request_table_row)

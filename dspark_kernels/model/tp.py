@@ -27,10 +27,12 @@ import attrs
 import numpy as np
 
 from dspark_abi import PackedBatch
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_kernels.model.backends import Backend, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardOptions, ForwardResult, RankContext, run_forward
 from dspark_kernels.model.layer import AllGather
+from dspark_kernels.model.plan import PlanSource
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
 
@@ -70,13 +72,16 @@ class ThreadGroup:
         self._barrier.abort()
 
 
-def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeights, caches: ModelCaches, *,
-                     precision: str = "fp32", layers: Sequence[int] | None = None,
+def run_tp_inprocess(batch: PackedBatch | PersistentStep | PlanSource, inputs: np.ndarray, weights: ModelWeights,
+                     caches: ModelCaches, *, tables: PersistentTables | None = None, precision: str = "fp32",
+                     layers: Sequence[int] | None = None,
                      logit_rows: Sequence[int] | None = None, backend: str = "reference",
                      prepared: PreparedWeightsCache | None = None,
                      on_layer: Callable[[int, int], None] | None = None) -> list[RankResult]:
     """Run every rank's view of ``batch`` in threads; rank 0 writes ``caches``, the others copies of it.
 
+    batch / tables: as :func:`~dspark_kernels.model.forward.run_forward` (a full-form batch, or a persistent step
+    with the tables holding its delta); the step's full form is made once for all ranks (:class:`PlanSource`).
     backend: 'reference' or 'pypto' attention (see :func:`~dspark_kernels.model.backends.resolve_backend`).
     prepared: the cache of prepared attention weights the ranks share (default: one for this call, kept only if
     ``weights`` keep their layers). on_layer(done, total) is called by rank 0 after each layer. Returns one
@@ -85,7 +90,8 @@ def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeigh
     """
     attention = resolve_backend(backend, precision)
     cache = PreparedWeightsCache(keep=weights.keep_layers) if prepared is None else prepared
-    tp = batch.tp_size
+    source = batch if isinstance(batch, PlanSource) else PlanSource.of(batch, tables)
+    tp = source.batch.tp_size
     group = ThreadGroup(tp)
     replicas = [caches] + [caches.copy() for _ in range(tp - 1)]
     results: list[Any] = [None] * tp
@@ -95,7 +101,7 @@ def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeigh
         try:
             options = ForwardOptions(precision=precision, layers=layers, logit_rows=logit_rows, backend=attention,
                                      prepared=cache, on_layer=on_layer if r == 0 else None)
-            results[r] = run_forward(batch, inputs, weights, replicas[r], options,
+            results[r] = run_forward(source, inputs, weights, replicas[r], options,
                                      tp=RankContext(r, group.gatherer(r)))
         except BaseException as exc:
             errors.append(exc)
@@ -115,9 +121,13 @@ def run_tp_inprocess(batch: PackedBatch, inputs: np.ndarray, weights: ModelWeigh
 # ---------------------------------------------------------------------------------------------- distributed
 @attrs.frozen(eq=False)
 class DistributedJob:
-    """Everything a rank process needs (pickled to each process; random weights regenerate there)."""
+    """Everything a rank process needs (pickled to each process; random weights regenerate there).
 
-    batch: PackedBatch
+    batch: a full-form batch, or a persistent step: :func:`launch` then ships ``tables`` (the persistent tables
+    holding the step's delta) with it, while a :class:`RankGroup` keeps one mirror per rank process and ships the
+    step alone (``tables`` None)."""
+
+    batch: PackedBatch | PersistentStep
     inputs: np.ndarray
     weights: ModelWeights
     caches: ModelCaches
@@ -129,6 +139,9 @@ class DistributedJob:
     :func:`~dspark_kernels.model.backends.resolve_backend`)."""
     on_layer: Callable[[int, int], None] | None = None
     """Called by rank 0's process after each layer (it must pickle; it runs in that process)."""
+    tables: PersistentTables | None = None
+    """The persistent tables holding the delta of a persistent ``batch`` (one-shot :func:`launch`); None for a
+    full-form batch and for a :class:`RankGroup` step (each rank reads its own mirror)."""
 
 
 def torch_all_gather(device: str = "cpu") -> AllGather:
@@ -153,17 +166,24 @@ def run_rank(job: DistributedJob, *, device: str = "cpu", attention: Backend | N
     attention: the attention backend already resolved (by :func:`launch`); default
     ``resolve_backend(job.backend, job.precision)`` resolved in this process.
     """
+    return _run_job(job, job.tables, device=device, attention=attention)
+
+
+def _run_job(job: DistributedJob, tables: PersistentTables | None, *, device: str, attention: Backend | None
+             ) -> RankResult:
+    """This process's rank of ``job``, its persistent step (if any) read through ``tables``."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    if dist.get_world_size() != job.batch.tp_size:
-        raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {job.batch.tp_size}")
+    tp_size = job.batch.policy.tp_size
+    if dist.get_world_size() != tp_size:
+        raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {tp_size}")
     if attention is None:
         attention = resolve_backend(job.backend, job.precision)
     options = ForwardOptions(precision=job.precision, layers=job.layers, logit_rows=job.logit_rows,
                              backend=attention, on_layer=job.on_layer if rank == 0 else None)
     result = run_forward(job.batch, job.inputs, job.weights, job.caches, options,
-                         tp=RankContext(rank, torch_all_gather(device)))
+                         tp=RankContext(rank, torch_all_gather(device)), tables=tables)
     return RankResult(rank, result, job.caches)
 
 
@@ -176,7 +196,8 @@ def _spawned_rank(rank: int, job: DistributedJob, init_file: str, backend: str, 
     if device == "cuda":  # one GPU per rank (NCCL refuses two ranks on one device)
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=job.batch.tp_size)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=job.batch.policy.tp_size)
     try:
         out.put(run_rank(job, device=device, attention=attention))
     finally:
@@ -194,7 +215,7 @@ def launch(job: DistributedJob, *, backend: str = "gloo", device: str = "cpu",
     attention = resolve_backend(job.backend, job.precision)
     import torch.multiprocessing as mp
 
-    tp = job.batch.tp_size
+    tp = job.batch.policy.tp_size
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="dspark-tp-")
@@ -225,3 +246,128 @@ def launch(job: DistributedJob, *, backend: str = "gloo", device: str = "cpu",
         if os.path.exists(init_file):
             os.unlink(init_file)
     return [results[r] for r in range(tp)]
+
+
+# ---------------------------------------------------------------------------------------------- rank group
+def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: str, inboxes: Any, out: Any,
+                tables: dict[str, np.ndarray], config: Any, pool_blocks: Any, attention: Backend | None) -> None:
+    """One rank process of a :class:`RankGroup`: it loads its mirror of the persistent tables once, then per message
+    applies a step's delta to it (as a device table is updated) and runs its rank of the step."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    mirror = PersistentTables.from_arrays(config, pool_blocks, tables)   # proven once, then kept by deltas
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp_size)
+    try:
+        while True:
+            kind, payload = inboxes[rank].get()
+            if kind == "stop":
+                return
+            try:
+                if kind == "mirror":
+                    out.put(("mirror", rank, mirror.to_arrays()))
+                    continue
+                if kind == "release":
+                    mirror.release(int(payload))
+                    out.put(("released", rank, None))
+                    continue
+                job, slots = payload
+                mirror.grow(slots)
+                if isinstance(job.batch, PersistentStep):
+                    mirror.apply(job.batch)            # the step's delta alone: never the whole tables
+                    out.put(("result", rank, _run_job(job, mirror, device=device, attention=attention)))
+                else:
+                    out.put(("result", rank, _run_job(job, None, device=device, attention=attention)))
+            except Exception as exc:  # reported to the caller, which stops the group
+                out.put(("error", rank, exc))
+                return
+    finally:
+        dist.destroy_process_group()
+
+
+class RankGroup:
+    """``tp_size`` rank processes on ``torch.distributed`` that live across steps (a serving loop's TP group).
+
+    Each process keeps its own mirror of the persistent tables: loaded once from ``tables`` (the allocator's, as of
+    the group's start) and advanced by ``PersistentTables.apply(step)`` for every persistent step it runs, as a
+    device-resident table would be; a step ships only its delta, never the tables. :meth:`run` takes one
+    :class:`DistributedJob` (its ``batch`` a persistent step, ``tables`` None; a full-form batch also runs) and
+    returns every rank's :class:`RankResult`; :meth:`release` frees a slot the allocator released on every mirror;
+    :meth:`mirrors` returns each rank's mirror (``to_arrays()``).
+    ``slots``: the allocator's slot count, sent with each step (the mirror grows as the allocator's tables do).
+    Use as a context manager (:meth:`close` stops the processes).
+    """
+
+    def __init__(self, tp_size: int, tables: PersistentTables, *, backend: str = "gloo", device: str = "cpu",
+                 attention: str = "reference", precision: str = "fp32", timeout: float = GATHER_TIMEOUT_S):
+        import torch.multiprocessing as mp
+
+        resolved = resolve_backend(attention, precision)
+        self.tp_size, self.timeout = tp_size, timeout
+        ctx = mp.get_context("spawn")
+        self._inboxes = [ctx.Queue() for _ in range(tp_size)]
+        self._out = ctx.Queue()
+        fd, self._init_file = tempfile.mkstemp(prefix="dspark-tp-group-")
+        os.close(fd)
+        os.unlink(self._init_file)  # the file store creates it
+        self._procs = mp.start_processes(
+            _group_rank, args=(tp_size, self._init_file, backend, device, self._inboxes, self._out,
+                               tables.to_arrays(), tables.config, tables.pool_blocks, resolved),
+            nprocs=tp_size, join=False, start_method="spawn")
+
+    def run(self, job: DistributedJob, slots: int) -> list[RankResult]:
+        """Every rank's result of ``job`` (a step the ranks' mirrors have not applied yet)."""
+        for box in self._inboxes:
+            box.put(("job", (job, slots)))
+        return self._collect("result")
+
+    def release(self, slot: int) -> None:
+        """Release ``slot`` on every rank's mirror, as the allocator released it (``BlockAllocator.release``): its
+        generation advances there too, so the mirrors stay equal to the allocator's tables."""
+        for box in self._inboxes:
+            box.put(("release", slot))
+        self._collect("released")
+
+    def mirrors(self) -> list[dict[str, np.ndarray]]:
+        """Each rank's mirror of the persistent tables, as ``PersistentTables.to_arrays()``."""
+        for box in self._inboxes:
+            box.put(("mirror", None))
+        return self._collect("mirror")
+
+    def _collect(self, kind: str) -> list[Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(got) < self.tp_size:
+            try:
+                what, rank, value = self._out.get(timeout=1.0)
+            except queue.Empty:
+                self._procs.join(timeout=0)  # raises ProcessRaisedException / ProcessExitedException on failure
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise TimeoutError(f"TP ranks did not answer within {self.timeout} s") from None
+                continue
+            if what == "error":
+                self.close()
+                raise value
+            if what == kind:
+                got[rank] = value
+        return [got[r] for r in range(self.tp_size)]
+
+    def close(self) -> None:
+        """Stop the rank processes (terminating any that do not exit within a few seconds)."""
+        for box in self._inboxes:
+            box.put(("stop", None))
+        deadline = time.monotonic() + 10.0
+        for p in self._procs.processes:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+            if p.is_alive():
+                p.terminate()
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -10,7 +10,7 @@ module imports neither torch nor pypto.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import attrs
@@ -40,16 +40,19 @@ class PyptoBackend:
 
     isolate: bool = True
 
-    def batch_issues(self, batch: PackedBatch, layers: Sequence[int]) -> list[Issue]:
+    def batch_issues(self, batch: PackedBatch, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
+                     ) -> list[Issue]:
         """``kernel.index_range`` issues of the kernels' fp32 indices over ``layers``: every table the layers read
-        (R * its column count), every block of its pool (blocks * page_size, not only the blocks mapped now, so a
+        (R_t * its column count: the batch's own [R, w] tables, or ``tables``, e.g. the persistent [S, w_p] tables
+        of a persistent step), every block of its pool (blocks * page_size, not only the blocks mapped now, so a
         geometry fails on its first call) and the positions."""
         cfg = batch.config
         issues = []
         top = int(batch.positions.max(initial=0))
+        read = dict(batch.tables.items()) if tables is None else tables
         for pool in sorted({p for i in layers for p in POOLS_BY_KIND[cfg.layer_kind(i)]}):
             pl = cfg.layout.pools[pool]
-            table = batch.tables[pool]  # the kernels flatten a table's own rows and columns (R_t * W_t)
+            table = read[pool]  # the kernels flatten the table they read, its own rows and columns (R_t * W_t)
             issues += index_range_issues(f"{pool}_block_table", requests=table.shape[0],
                                          width=table.shape[1], page=pl.page_size,
                                          max_block=batch.pool_blocks[pool] - 1, max_position=top, ring=pl.is_ring)

@@ -7,7 +7,7 @@ its attention runs the model layer's orchestrator over :class:`~dspark_kernels.r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -26,8 +26,9 @@ from dspark_kernels.reference.attention import attend
 class ReferenceBackend:
     """The numpy reference's :class:`~dspark_kernels.model.backends.Backend` (stateless; pickles)."""
 
-    def batch_issues(self, batch: PackedBatch, layers: Sequence[int]) -> list[Issue]:
-        """None: the reference computes any valid batch."""
+    def batch_issues(self, batch: PackedBatch, layers: Sequence[int], tables: Mapping[str, np.ndarray] | None = None
+                     ) -> list[Issue]:
+        """None: the reference computes any valid batch, through any tables that map its pages."""
         return []
 
     def hc_pre(self, x_hc: np.ndarray, weights: HcWeights, config: ModelConfig, *, precision: Precision,

@@ -7,6 +7,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from dspark_abi import lower_local_request_ids, validate
+from dspark_abi.fields import BATCH_FIELDS, SLOT_FIELDS
 from dspark_abi.lowering import nested_scan_local_request_ids
 from dspark_abi.testing import MUTATIONS, mutate, packed_batches
 
@@ -19,6 +20,20 @@ def test_rank_views_partition_the_group_rows(batch):
     np.testing.assert_array_equal(np.concatenate([v.positions for v in views]), batch.positions)
     assert [(v.row_start, v.row_stop) for v in views] == [(r * batch.local_rows, (r + 1) * batch.local_rows)
                                                          for r in range(batch.tp_size)]
+
+
+@given(packed_batches(token_ids=True))
+def test_rank_views_carry_every_declared_per_row_field(batch):
+    # the per-row fields come from the declarations: a new [P] field reaches the rank views with no edit there
+    declared = {f.name for f in BATCH_FIELDS if f.shape[0] == "P"}
+    whole = batch.to_arrays()
+    views = [batch.rank(r) for r in range(batch.tp_size)]
+    for view in views:
+        assert set(view.local) == declared & set(whole)
+        assert view.positions is view.local["positions"]
+        assert all(view.slots[p] is view.local[name] for p, name in SLOT_FIELDS.items())
+    for name in declared & set(whole):
+        np.testing.assert_array_equal(np.concatenate([v.local[name] for v in views]), whole[name])
 
 
 @pytest.mark.parametrize("code", sorted(MUTATIONS))

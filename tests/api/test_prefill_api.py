@@ -236,3 +236,80 @@ def test_pypto_index_range_is_checked_before_anything_is_touched(weights):
     issue = next(i for i in err.value.issues if i.code == "kernel.index_range")
     assert issue.field == "ori_block_table" and issue.actual == 2**24 // 32
     _assert_unchanged(caches, before)
+
+
+# ---------------------------------------------------------------------------------------------- persistent form
+def _both_forms(tp=2):
+    """One step of two requests after a first one (a ring continues, a new request takes a slot) in both forms:
+    (full-form batch, persistent step, a mirror holding its delta, caches after the first step)."""
+    alloc = BlockAllocator(TINY, pool_blocks_for(TINY, [80, 40, 40]))
+    caches = ModelCaches.allocate(TINY, alloc.pool_blocks)
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), alloc)
+    rng = np.random.default_rng(1)
+    tokens = {rid: rng.integers(0, TINY.vocab_size, 80) for rid in range(3)}
+    first = [(0, 0, 40), (1, 0, 20)]
+    second = [(0, 40, 30), (2, 0, 25)]
+    for rid, cached, new in first:
+        builder.add(rid, num_cached=cached, num_new=new, token_ids=tokens[rid][cached:cached + new])
+    step = builder.build_step()
+    mirror = alloc.persistent.copy()
+    mirror.apply(step)
+    prefill(step, step.token_ids, ModelWeights.random(TINY, seed=3), caches, tables=mirror)
+    builder.commit(step)
+    for queue in range(2):
+        for rid, cached, new in second:
+            builder.add(rid, num_cached=cached, num_new=new, token_ids=tokens[rid][cached:cached + new])
+        if queue == 0:
+            batch = builder.build()
+    step = builder.build_step()
+    mirror.apply(step)      # the device mirror, advanced by the delta alone across both steps
+    return batch, step, mirror, caches
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prefill_of_a_persistent_step_equals_the_full_form_bit_for_bit(weights, tp):
+    batch, step, mirror, caches = _both_forms(tp)
+    full_caches, pers_caches = caches.copy(), caches.copy()
+    want = prefill(batch, batch.token_ids, weights, full_caches)
+    got = prefill(step, step.token_ids, weights, pers_caches, tables=mirror)
+    assert got.batch == batch                     # the step's full form: the per-request views are the same
+    for name in ("hidden", "x_hc", "logits", "sampled", "logit_rows", "target_hidden"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    for name, array in pers_caches.arrays().items():
+        np.testing.assert_array_equal(array, full_caches.arrays()[name], err_msg=name)
+
+
+def test_a_persistent_step_needs_its_tables_and_a_batch_none(weights):
+    batch, step, mirror, caches = _both_forms()
+    before = _state(caches)
+    with pytest.raises(ABIError) as err:
+        prefill(step, step.token_ids, weights, caches)
+    assert err.value.codes == {"array.missing"} and err.value.issues[0].field == "tables"
+    with pytest.raises(ABIError) as err:
+        prefill(batch, batch.token_ids, weights, caches, tables=mirror)
+    assert err.value.codes == {"config.invalid"}
+    stale = mirror.copy()
+    stale.release(int(step.table_slots[0]))       # the slot recycled since the step was built
+    with pytest.raises(ABIError) as err:
+        prefill(step, step.token_ids, weights, caches, tables=stale)
+    assert "tables.stale_slot" in err.value.codes
+    _assert_unchanged(caches, before)
+
+
+def test_pypto_index_range_covers_the_persistent_tables_the_kernels_read(weights):
+    """The pypto kernels flatten the table they read (entry ``row * width + column`` in fp32): the persistent tables
+    (S slots x the ring width) can reach 2**24 entries where the step's narrow tables do not; the pre-check reads
+    the plan's tables."""
+    from dspark_kernels.model.plan import PlanSource
+    from dspark_kernels.pypto.backend import PyptoBackend
+
+    _, step, mirror, _ = _both_forms()
+    source = PlanSource.of(step, mirror)
+    layers = list(range(TINY.num_layers))
+    assert PyptoBackend().batch_issues(source.batch, layers, source.read_tables()) == []
+    pl = TINY.layout.pools["ori"]
+    slots = 2**24 // pl.ring_width + 1                            # just past the fp32-exact flattened entry
+    wide = dict(source.read_tables()) | {"ori": np.broadcast_to(np.int32(-1), (slots, pl.ring_width))}
+    assert PyptoBackend().batch_issues(source.batch, layers) == []  # the narrow tables alone pass
+    issues = PyptoBackend().batch_issues(source.batch, layers, wide)
+    assert [i.field for i in issues if i.code == "kernel.index_range"] == ["ori_block_table"]

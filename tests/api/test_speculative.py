@@ -190,6 +190,26 @@ def test_speculative_equals_plain_greedy(weights, kind, tp, mode):
     assert_caches_equal_one_shot(weights, got)
 
 
+@pytest.mark.parametrize("tp,mode", [(1, "single"), (2, "threads")])
+def test_both_table_forms_run_the_same_loop_bit_for_bit(weights, tp, mode):
+    """The loops on the persistent form (the default: ``build_step``, the kernels read the persistent tables
+    through the loop's mirror) and on the full form (``build``): the same steps, tokens and caches bit for bit,
+    garbage planted in the rejected rows alike; plain greedy likewise."""
+    runs = {form: generate(prompts(), weights, RandomDrafter(CFG.vocab_size, seed=1), NEW_TOKENS, K, tp=tp,
+                           tp_mode=mode, prefill_chunk=CHUNK, on_step=Planter(), tables=form)
+            for form in ("persistent", "full")}
+    plains = {form: greedy_decode(prompts(), weights, 3, tp=tp, tp_mode=mode, tables=form)
+              for form in ("persistent", "full")}
+    for got, want in (tuple(runs.values()), tuple(plains.values())):
+        assert len(got.steps) == len(want.steps)
+        for a, b in zip(got.steps, want.steps, strict=True):
+            assert a.batch == b.batch                    # the step's full form is the batch build() made
+        for i, tokens in want.tokens.items():
+            np.testing.assert_array_equal(got.tokens[i], tokens)
+        for name, array in got.caches.arrays().items():
+            np.testing.assert_array_equal(array, want.caches.arrays()[name], err_msg=name)
+
+
 def test_garbage_in_a_committed_row_is_caught(weights):
     """The planting test has teeth: the same NaN written into one committed row (the anchor's ori row of each
     verify request) reaches the outputs or the readable cache rows."""
@@ -302,12 +322,15 @@ def test_speculative_equals_plain_beyond_a_ring_turn(kind):
 
 
 @pytest.mark.distributed
-def test_speculative_equals_plain_on_rank_processes(weights):
-    """TP 2 with one process per rank (torch.distributed, gloo): a short run, every step a launch."""
+@pytest.mark.parametrize("form", ["persistent", "full"])
+def test_speculative_equals_plain_on_rank_processes(weights, form):
+    """TP 2 with one process per rank (torch.distributed, gloo), a short run: on the persistent form the rank
+    processes live across the steps, each advancing its own mirror of the persistent tables by the steps' deltas
+    (:class:`~dspark_kernels.model.tp.RankGroup`); on the full form every step is a launch."""
     short = [prompts()[0], prompts()[1][:9]]
     reference = greedy_decode(short, weights, 4, tp=2, tp_mode="threads")
     got = generate(short, weights, RandomDrafter(CFG.vocab_size, seed=1), 4, K, tp=2, tp_mode="distributed",
-                   prefill_chunk=CHUNK, on_step=Planter())
+                   prefill_chunk=CHUNK, on_step=Planter(), tables=form)
     assert any(s.mixed for s in got.steps)
     for i, tokens in reference.tokens.items():
         np.testing.assert_array_equal(got.tokens[i], tokens)   # same ranks' math as threads: equal tokens
@@ -369,7 +392,7 @@ def test_verify_step_has_logits_at_every_row(weights, tp, mode):
 
 
 @pytest.mark.parametrize("bad", ["K", "max_new_tokens", "chunk", "prompt_range", "empty_prompt", "tp_mode",
-                                 "too_many_drafts"])
+                                 "too_many_drafts", "tables"])
 def test_bad_arguments_are_coded_and_touch_nothing(weights, bad):
     alloc = BlockAllocator(CFG, pool_blocks_for(CFG, [64], slack=8))
     caches = ModelCaches.allocate(CFG, alloc.pool_blocks)
@@ -382,6 +405,8 @@ def test_bad_arguments_are_coded_and_touch_nothing(weights, bad):
         args["prompts"] = [np.array([1, CFG.vocab_size])]
     if bad == "empty_prompt":
         args["prompts"] = [np.arange(0)]
+    if bad == "tables":
+        args["tables"] = "sparse"
     prompts_ = args.pop("prompts")
     with pytest.raises(ABIError) as err:
         generate(prompts_, weights, RandomDrafter(CFG.vocab_size), allocator=alloc, caches=caches, **args)

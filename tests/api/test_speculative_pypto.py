@@ -60,3 +60,38 @@ def test_mixed_verify_step_on_pypto_accepts_as_the_reference():
         # one bf16 step of the largest logit (2**-7 relative) can reorder the top two
         assert margin <= BF16_RTOL * scale, (got.accepted, want.accepted, got.bonus, want.bonus)
         warnings.warn(f"pypto and reference accept differently at a near-tie (margin {margin:.3e})", stacklevel=1)
+
+
+def test_mixed_step_on_pypto_reads_the_persistent_tables_as_the_full_form():
+    """The same mixed step (a verify request after a prefilled context, another request's first chunk) on the
+    pypto backend, built with ``build_step`` and read through the persistent tables (the kernels get the [S, w_p]
+    tables and each request's slot), equals the full form on pypto: logits, samples and every cache array. The
+    kernels gather the same cache rows through either table, so the results are bit for bit equal."""
+    cfg = TINY_DSPARK
+    weights = ModelWeights.random(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    prompt, other = rng.integers(0, cfg.vocab_size, 4), rng.integers(0, cfg.vocab_size, 3)
+    alloc = BlockAllocator(cfg, pool_blocks_for(cfg, [16, 8], slack=4))
+    caches = ModelCaches.allocate(cfg, alloc.pool_blocks, precision="a2a3")
+    builder = BatchBuilder(cfg, PaddingPolicy(), alloc)
+    builder.add(0, num_cached=0, num_new=4, token_ids=prompt)
+    first = builder.build_step()
+    builder.commit(first)
+    prefill(first, first.token_ids, weights, caches, tables=alloc.persistent, precision="a2a3")
+    inputs = rng.integers(0, cfg.vocab_size, 3)                         # an anchor and two drafts
+    for _ in range(2):
+        builder.add_verify(0, num_cached=4, token_ids=inputs)
+        builder.add(1, num_cached=0, num_new=3, token_ids=other)
+        if _ == 0:
+            batch = builder.build()
+    step = builder.build_step()
+    mirror = alloc.persistent.copy()
+    mirror.apply(step)                                                  # the device mirror, advanced by the delta
+    full_caches, pers_caches = caches.copy(), caches.copy()
+    want = prefill(batch, batch.token_ids, weights, full_caches, precision="a2a3", backend="pypto")
+    got = prefill(step, step.token_ids, weights, pers_caches, tables=mirror, precision="a2a3", backend="pypto")
+    assert got.batch == batch
+    for name in ("logit_rows", "logits", "sampled", "hidden"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    for name, array in pers_caches.arrays().items():
+        np.testing.assert_array_equal(array, full_caches.arrays()[name], err_msg=name)

@@ -12,11 +12,13 @@ import itertools
 import numpy as np
 import pytest
 
+from dspark_abi import BatchBuilder, PaddingPolicy
 from dspark_abi.presets import TINY
 from dspark_kernels import LayerCaches, attention
-from dspark_kernels.model.plan import IndexKeyPools
-from dspark_kernels.model.prepared import prepare_weights
+from dspark_kernels.model.plan import BatchPlan, IndexKeyPools
+from dspark_kernels.model.prepared import prepare_weights, prepared_for
 from dspark_kernels.model.rope import rope_at
+from dspark_kernels.reference.attention import attend
 from dspark_kernels.reference.indexer import IndexCandidates, index_query, lightning_topk
 from dspark_kernels.reference.projections import low_rank_query
 
@@ -39,13 +41,35 @@ def oracles(tiny_weights):
     return seqs, results
 
 
+#: The block-table forms the kernels read: the batch's own tables, or the persistent tables (spec 5.9).
+FORMS = ["full", "persistent"]
+
+
+def run_step(form, alloc, requests, tp, layer, seqs, weights, caches):
+    """(full-form batch, attention output) of one step of ``requests`` in ``form``, committed to ``alloc``: the
+    persistent form plans over the allocator's persistent tables right after ``commit(step)``."""
+    if form == "full":
+        batch = build(alloc, requests, tp=tp)
+        caches = caches or LayerCaches.allocate(TINY, layer, batch.pool_blocks)
+        return batch, caches, attention(batch, layer, hidden_rows(batch, seqs), weights, caches)
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=tp), alloc)
+    for rid, cached, new in requests:
+        builder.add(rid, cached, new)
+    step = builder.build_step()
+    builder.commit(step)
+    plan = BatchPlan.from_step(step, alloc.persistent)
+    caches = caches or LayerCaches.allocate(TINY, layer, plan.batch.pool_blocks)
+    return plan.batch, caches, attend(plan, layer, hidden_rows(plan.batch, seqs), prepared_for(weights, "fp32", None),
+                                      caches)
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("layer", range(TINY.num_layers))
-def test_packed_one_shot_matches_oracle(layer, tiny_weights, oracles):
+def test_packed_one_shot_matches_oracle(layer, form, tiny_weights, oracles):
     seqs, results = oracles
     alloc = new_allocator()
-    batch = build(alloc, [(r, 0, n) for r, n in LENGTHS.items()], tp=2)
-    caches = LayerCaches.allocate(TINY, layer, batch.pool_blocks)
-    out = attention(batch, layer, hidden_rows(batch, seqs), tiny_weights[layer], caches)
+    batch, caches, out = run_step(form, alloc, [(r, 0, n) for r, n in LENGTHS.items()], 2, layer, seqs,
+                                  tiny_weights[layer], None)
     ratio = TINY.compress_ratios[layer]
     for r, n in LENGTHS.items():
         orc = results[(layer, r)]
@@ -84,17 +108,17 @@ def test_topk_sets_match_oracle(layer, tiny_weights, oracles):
         assert np.all(top[i, len(want):] == -1)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("layer", range(TINY.num_layers))
 @pytest.mark.parametrize("cuts", [(13, 130), (127, 128, 200)])
-def test_chunked_matches_oracle(layer, cuts, tiny_weights, oracles):
-    """Chunks cut mid-window, mid-page and mid-compression-window reproduce the one-sequence oracle."""
+def test_chunked_matches_oracle(layer, cuts, form, tiny_weights, oracles):
+    """Chunks cut mid-window, mid-page and mid-compression-window reproduce the one-sequence oracle, on both
+    table forms (the persistent tables advanced by each chunk's delta)."""
     seqs, results = oracles
     n = LENGTHS[2]
     alloc = new_allocator()
     caches = None
     bounds = (0, *cuts, n)
     for lo, hi in itertools.pairwise(bounds):
-        batch = build(alloc, [(2, lo, hi - lo)], tp=2)
-        caches = caches or LayerCaches.allocate(TINY, layer, batch.pool_blocks)
-        out = attention(batch, layer, hidden_rows(batch, seqs), tiny_weights[layer], caches)
+        _, caches, out = run_step(form, alloc, [(2, lo, hi - lo)], 2, layer, seqs, tiny_weights[layer], caches)
         assert rel_err(out[: hi - lo], results[(layer, 2)].out[lo:hi]) <= ORACLE_OUT_TOL

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from tolerances import forward_reductions, order_atol
 
-from dspark_abi import ABIError, PoolBlocks
+from dspark_abi import ABIError, BatchBuilder, PoolBlocks
 from dspark_abi.presets import DEMO, TINY
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import WHOLE_GROUP, ForwardOptions, RankContext, run_forward
 from dspark_kernels.model.tp import run_tp_inprocess
 from dspark_kernels.model.weights import ModelWeights
 
-from .conftest import Session, tiny_weights
+from .conftest import Session, tiny_weights, tokens_of
 
 #: fp32 runs of the same rows in different batches differ only in summation order (row counts and a row's place
 #: in a BLAS block change the kernel path), so outputs, logits and every layer's cache rows (each on a prefix of
@@ -68,13 +68,25 @@ def test_chunked_equals_one_shot():
     assert r.sampled[0] == r1.sampled[0]
 
 
+@pytest.mark.parametrize("form", ["full", "persistent"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_rank_views_equal_whole_group(tp: int):
+def test_tp_rank_views_equal_whole_group(tp: int, form: str):
     s = Session(tp=tp)
-    b = s.batch([(0, 0, 133), (1, 0, 18)])  # N = 151: not aligned, requests cross rank boundaries
+    requests = [(0, 0, 133), (1, 0, 18)]    # N = 151: not aligned, requests cross rank boundaries
+    if form == "full":
+        b = step = s.batch(requests)
+        tables = None
+    else:                                   # the persistent step, read through the allocator's tables
+        builder = BatchBuilder(TINY, s.policy, s.alloc)
+        for rid, cached, new in requests:
+            builder.add(rid, num_cached=cached, num_new=new, token_ids=tokens_of(rid)[cached:cached + new])
+        step = builder.build_step()
+        builder.commit(step)
+        tables = s.alloc.persistent
+        b = step.to_full(tables)
     whole_caches = s.caches.copy()
-    whole = run_forward(b, b.token_ids, s.weights, whole_caches)
-    ranks = run_tp_inprocess(b, b.token_ids, s.weights, s.caches)
+    whole = run_forward(step, b.token_ids, s.weights, whole_caches, tables=tables)
+    ranks = run_tp_inprocess(step, b.token_ids, s.weights, s.caches, tables=tables)
     assert len(ranks) == tp
     for rr in ranks:
         _close(rr.result.hidden, whole.hidden)

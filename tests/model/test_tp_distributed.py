@@ -72,3 +72,57 @@ def test_inprocess_rank_failure_is_raised_not_hung():
     b = s.batch([(0, 0, 130), (1, 0, 3)])
     with pytest.raises(ABIError):
         run_tp_inprocess(b, b.token_ids, s.weights, s.caches, logit_rows=[999])
+
+
+@pytest.mark.distributed
+def test_rank_group_mirrors_follow_the_allocator_by_deltas_alone():
+    """A serving loop's TP 2 group of rank processes (RankGroup): each process loads the persistent tables once and
+    advances its own mirror by every step's delta (``apply``), never receiving the tables again; over three steps
+    (new slots, ring pages leaving the window) every rank's results equal the in-process ranks' on the full form bit
+    for bit, and after the loop each rank's mirror equals the allocator's tables."""
+    from dspark_abi import BatchBuilder
+    from dspark_kernels.model.tp import RankGroup
+
+    from .conftest import tokens_of
+
+    s = Session(tp=2)
+    builder = BatchBuilder(TINY, s.policy, s.alloc)
+    steps = [[(0, 0, 150), (1, 0, 40)], [(0, 150, 70), (1, 40, 9), (2, 0, 33)], [(0, 220, 190), (2, 33, 100)]]
+    with RankGroup(2, s.alloc.persistent, timeout=LAUNCH_TIMEOUT_S) as group:
+        for requests in steps:
+            for queue in range(2):
+                for rid, cached, new in requests:
+                    builder.add(rid, num_cached=cached, num_new=new, token_ids=tokens_of(rid)[cached:cached + new])
+                if queue == 0:
+                    batch = builder.build()
+            step = builder.build_step()
+            threads = run_tp_inprocess(batch, batch.token_ids, s.weights, s.caches.copy())
+            ranks = group.run(DistributedJob(step, step.token_ids, s.weights, s.caches), s.alloc.persistent.slots)
+            for p, t in zip(ranks, threads, strict=True):
+                np.testing.assert_array_equal(p.result.hidden, t.result.hidden)
+                np.testing.assert_array_equal(p.result.logits, t.result.logits)
+                for name, arr in p.caches.arrays().items():
+                    np.testing.assert_array_equal(arr, t.caches.arrays()[name], err_msg=name)
+            if requests is steps[-1]:       # a one-shot launch ships the step with the tables holding its delta
+                tables = s.alloc.persistent.copy()
+                tables.apply(step)
+                once = launch(DistributedJob(step, step.token_ids, s.weights, s.caches, tables=tables),
+                              timeout=LAUNCH_TIMEOUT_S)
+                for p, t in zip(once, threads, strict=True):
+                    np.testing.assert_array_equal(p.result.logits, t.result.logits)
+            for name, array in s.caches.arrays().items():
+                array[...] = ranks[0].caches.arrays()[name]
+            builder.commit(step)
+        want = s.alloc.persistent.to_arrays()
+        for rank, mirror in enumerate(group.mirrors()):
+            assert set(mirror) == set(want)
+            for name, array in want.items():
+                np.testing.assert_array_equal(mirror[name], array, err_msg=f"rank {rank} {name}")
+        slot = s.alloc.persistent.slot_of(1)
+        s.alloc.release(1)                  # a finished request: its slot's generation advances on every mirror
+        group.release(slot)
+        want = s.alloc.persistent.to_arrays()
+        assert not want["slot_in_use"][slot]
+        for rank, mirror in enumerate(group.mirrors()):
+            for name, array in want.items():
+                np.testing.assert_array_equal(mirror[name], array, err_msg=f"rank {rank} {name} after release")
