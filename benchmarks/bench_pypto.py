@@ -36,8 +36,16 @@ priced. Key sets (representative of a prefill about 4k tokens deep, the middle o
 
 Stages whose kernels do not exist yet are printed as ``missing`` and the sums name them.
 
+``--round`` prints instead one DSpark draft + verify round (R = 64 requests, K = 5 drafts, contexts of 65,536
+positions): the drafter's table over R x B block rows (B = ``dspark_block_size``; its draft attention is the
+sparse-attention kernel over the W ring keys plus the B block keys), the verify step's table over R x (1 + K) rows
+that deep (indexer candidates and HCA entries follow the depth: 16,384 and 512 per row), then per part (three
+drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule, the verify
+step's once-per-call stages) and in total, per die. The Markov and confidence heads run on the host (no kernel) and
+are not priced, nor is the drafter's observe of the accepted rows.
+
 Usage: python benchmarks/bench_pypto.py [--quick] [--rows P] [--layer-rows P] [--tp TP] [--requests R]
-[--stages ...] [--tables-only] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
+[--stages ...] [--tables-only] [--round] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
 ``--stages`` prints only their table; --quick: one table at P = 128 = 2 x 64 and one at P = 64, everything else
 the same). A full run took 25 minutes on the shared 2-core machine (the P = 64 table 11 of them, the MoE experts
 kernel at L = 128 under 3); ``--reuse`` an earlier ``--json`` file with ``--rerun`` the stages a change touched.
@@ -63,12 +71,25 @@ from dspark_abi.presets import FLASH, FLASH_DSPARK
 from dspark_kernels.model.geometry import INDEX_RATIO, coff
 from dspark_kernels.pypto.isolate import run_isolated
 
-#: Candidate entries of every indexer row (a request about 4k tokens deep) and visible HCA entries of a row
-#: at about 4k tokens (the dense HCA compressed set).
-INDEX_CANDIDATES = 1024
-HCA_ENTRIES = 32
 #: Depth (positions) of the representative requests: every query row sits past this position.
 DEPTH = 4096
+#: The HCA compression ratio (one compressed entry per this many positions).
+HCA_RATIO = 128
+
+
+def index_candidates(depth: int) -> int:
+    """Candidate entries of every indexer row of a request ``depth`` positions deep (one per INDEX_RATIO)."""
+    return depth // INDEX_RATIO
+
+
+def hca_entries(depth: int) -> int:
+    """Visible HCA entries of a row ``depth`` positions deep (the dense HCA compressed set)."""
+    return depth // HCA_RATIO
+
+
+#: At DEPTH: 1024 indexer candidates and 32 HCA entries per row.
+INDEX_CANDIDATES = index_candidates(DEPTH)
+HCA_ENTRIES = hca_entries(DEPTH)
 #: The forward estimate's tokens and the packing comparison's requests x tokens.
 FORWARD_TOKENS = 8192
 PACK_REQUESTS, PACK_TOKENS = 32, 64
@@ -165,8 +186,12 @@ STAGE_TABLE = (
     ("greedy", "M", "head: greedy sampling over the gathered vocabulary"),
 )
 STAGES = tuple(name for name, _, _ in STAGE_TABLE)
-_ROWS_KIND = {name: kind for name, kind, _ in STAGE_TABLE}
-LABELS = {name: label for name, _, label in STAGE_TABLE}
+#: Kernels only the DSpark drafter calls (``--round``): its non-causal attention core over the W ring keys of
+#: committed context plus the B block rows' own keys (the sparse-attention kernel with the block rows as its
+#: second key set).
+DRAFT_TABLE = (("draft_attn", "L", "draft: sparse attention core over W ring + B block keys (non-causal)"),)
+_ROWS_KIND = {name: kind for name, kind, _ in STAGE_TABLE + DRAFT_TABLE}
+LABELS = {name: label for name, _, label in STAGE_TABLE + DRAFT_TABLE}
 
 #: Kernel calls of one layer of each kind (hc_pre / hc_post run around attention and around the MoE; the
 #: attn_norm / ffn_norm RMSNorms are fused into hc_pre).
@@ -194,15 +219,16 @@ EXPERT_STACKS = 16
 STAGE_TIMEOUT_S = 3000
 
 
-def stage_rows(stage: str, p_rows: int, tp: int, requests: int = 1) -> int:
-    """Rows a stage's kernel processes (:data:`STAGE_TABLE`'s rows kind)."""
+def stage_rows(stage: str, p_rows: int, tp: int, requests: int = 1, logit_rows: int | None = None) -> int:
+    """Rows a stage's kernel processes (:data:`STAGE_TABLE`'s rows kind; M = ``logit_rows``, default one per
+    request)."""
     kind = _ROWS_KIND[stage]
     if kind == "P":
         return p_rows
     if kind == "L":
         return p_rows // tp
     if kind == "M":
-        return requests
+        return requests if logit_rows is None else logit_rows
     return boundaries(p_rows, 4 if kind == "B4" else 128)
 
 
@@ -218,8 +244,10 @@ def _require(module: str, *names: str) -> Any:
     return mod
 
 
-def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
-    """Run one stage's kernel in cost-model-only mode (this runs in a child process)."""
+def stage_cycles(stage: str, p_rows: int, tp: int, requests: int, depth: int = DEPTH,
+                 logit_rows: int | None = None) -> int | None:
+    """Run one stage's kernel in cost-model-only mode (this runs in a child process); query rows ``depth``
+    positions deep, ``logit_rows`` the head's rows (default one per request)."""
     import ml_dtypes
 
     c = FLASH
@@ -229,7 +257,7 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
     x, d, h, q, g, ro = c.hidden_size, c.head_dim, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
     rd, hc = c.qk_rope_head_dim, c.hc_mult
     # query rows sit past DEPTH, request by request (the rank's rows of the packed group)
-    q_pos = DEPTH + np.arange(local, dtype=np.int32) % max(1, p_rows // requests)
+    q_pos = depth + np.arange(local, dtype=np.int32) % max(1, p_rows // requests)
     q_req = (np.arange(local) * requests // max(1, local)).astype(np.int32)
     if stage == "lowering":
         from dspark_kernels.pypto.lowering import run_lowering
@@ -303,30 +331,43 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
         if stage == "csa_entry_rows":  # the indexer's top-k: distinct visible entries per row
             top = np.tile(np.arange(c.index_topk, dtype=np.int32), (local, 1))
             return run_entry_rows(q_pos, q_req, table, top, ring=layout.is_ring).cycles
-        ratio, columns = (INDEX_RATIO, INDEX_CANDIDATES) if stage == "idx_candidates" else (128, HCA_ENTRIES)
+        ratio, columns = ((INDEX_RATIO, index_candidates(depth)) if stage == "idx_candidates"
+                          else (HCA_RATIO, hca_entries(depth)))
         return run_entry_rows(q_pos, q_req, table, None, ring=layout.is_ring, ratio=ratio, columns=columns).cycles
     if stage == "indexer":
         from dspark_kernels.model.plan import IndexKeyPools, RopeRows
         from dspark_kernels.pypto.indexer import IndexerWeights, run_indexer
 
         hi, di, k = c.index_n_heads, c.index_head_dim, c.index_topk
-        cand = np.tile(np.arange(INDEX_CANDIDATES, dtype=np.int32), (local, 1))
+        n_cand = index_candidates(depth)
+        cand = np.tile(np.arange(n_cand, dtype=np.int32), (local, 1))
         weights = IndexerWeights(np.zeros((hi * di, q), np.int8), np.ones(hi * di, np.float32), np.zeros((hi, x), bf),
                                  np.zeros((di, di), bf), hi, c.index_weight_scale)
         return run_indexer((np.zeros((local, q), np.int8), np.ones((local, 1), np.float32)), np.zeros((local, x), bf),
                            weights, RopeRows(np.ones((local, rd // 2), bf), np.zeros((local, rd // 2), bf)),
-                           IndexKeyPools(np.zeros((INDEX_CANDIDATES, di), np.int8),
-                                         np.ones(INDEX_CANDIDATES, np.float32)), cand, topk=k).cycles
+                           IndexKeyPools(np.zeros((n_cand, di), np.int8), np.ones(n_cand, np.float32)), cand,
+                           topk=k).cycles
     if stage.startswith("sparse_attn_"):
         from dspark_kernels.pypto.sparse_attention import run_sparse_attention
 
         w_rows = np.tile(np.arange(c.sliding_window, dtype=np.int32), (local, 1))
-        k = {"sparse_attn_csa": c.index_topk, "sparse_attn_hca": HCA_ENTRIES, "sparse_attn_swa": 0}[stage]
+        k = {"sparse_attn_csa": c.index_topk, "sparse_attn_hca": hca_entries(depth), "sparse_attn_swa": 0}[stage]
         cmp_rows = np.tile(np.arange(k, dtype=np.int32), (local, 1)) if k else None
         return run_sparse_attention(np.zeros((local, h, d), bf), w_rows, cmp_rows, np.zeros((4096, d), bf),
-                                    np.zeros((4096, d), bf) if k else None, np.zeros(h, np.float32),
+                                    np.zeros((max(4096, k), d), bf) if k else None, np.zeros(h, np.float32),
                                     np.ones((local, rd // 2), bf), np.zeros((local, rd // 2), bf),
                                     scale=c.softmax_scale).cycles
+    if stage == "draft_attn":  # each request's W ring rows, then its B block rows as the second key set
+        from dspark_kernels.pypto.sparse_attention import run_sparse_attention
+
+        b = FLASH_DSPARK.dspark_block_size
+        row_request = np.arange(local) * requests // max(1, local)
+        ring_rows = (row_request[:, None] * c.sliding_window + np.arange(c.sliding_window)).astype(np.int32)
+        own_rows = (row_request[:, None] * b + np.arange(b)).astype(np.int32)
+        return run_sparse_attention(np.zeros((local, h, d), bf), ring_rows, own_rows,
+                                    np.zeros((requests * c.sliding_window, d), bf), np.zeros((requests * b, d), bf),
+                                    np.zeros(h, np.float32), np.ones((local, rd // 2), bf),
+                                    np.zeros((local, rd // 2), bf), scale=c.softmax_scale).cycles
     if stage == "o_proj":
         from dspark_kernels.pypto.o_proj import run_o_proj
 
@@ -335,7 +376,7 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
     if stage.startswith("moe_"):
         return _moe_cycles(stage, local)
     if stage in ("hc_head", "final_hidden", "lm_head", "greedy"):
-        return _head_cycles(stage, p_rows, tp, requests)
+        return _head_cycles(stage, p_rows, tp, requests, logit_rows)
     raise ValueError(stage)
 
 
@@ -397,16 +438,18 @@ def _moe_cycles(stage: str, rows: int, stacks: int = EXPERT_STACKS) -> int | Non
                               limit=float(m.swiglu_limit))[-1]
 
 
-def _price(stage: str, p_rows: int, tp: int, requests: int) -> tuple[int | None, str]:
+def _price(stage: str, p_rows: int, tp: int, requests: int, depth: int = DEPTH, logit_rows: int | None = None
+           ) -> tuple[int | None, str]:
     """(cycles, note) of one stage from a child process."""
     from benchmarks.bench_pypto import stage_cycles as child  # run_isolated needs a function by import path
 
     note = f"{routed_tiles(p_rows // tp)} expert tiles" if stage == "moe_experts" else ""
-    return run_isolated(child, stage, p_rows, tp, requests, timeout=STAGE_TIMEOUT_S), note
+    return run_isolated(child, stage, p_rows, tp, requests, depth, logit_rows, timeout=STAGE_TIMEOUT_S), note
 
 
-def _head_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
-    """The head kernels: over all P rows (hc_head, final_hidden) or the M = R logit rows."""
+def _head_cycles(stage: str, p_rows: int, tp: int, requests: int, logit_rows: int | None = None) -> int | None:
+    """The head kernels: over all P rows (hc_head, final_hidden) or the M logit rows (default M = R, each
+    request's last row; M = P: every row, as a verify step and a draft need)."""
     import attrs
 
     c = FLASH
@@ -421,14 +464,20 @@ def _head_cycles(stage: str, p_rows: int, tp: int, requests: int) -> int | None:
     if stage == "final_hidden":
         weights = attrs.make_class("Head", ["hc", "norm"])(mixer, np.ones(x, np.float32))
         return head.run_final_hidden(x_hc, weights, eps=c.hc_eps, norm_eps=c.rms_norm_eps).cycles
-    rows = (np.arange(requests) + 1) * (p_rows // requests) - 1  # each request's last row
+    if logit_rows is None:
+        rows = (np.arange(requests) + 1) * (p_rows // requests) - 1  # each request's last row
+    else:
+        rows = np.linspace(0, p_rows - 1, logit_rows).astype(np.int64)
     if stage == "lm_head":
         return head.run_logits(np.zeros((p_rows, x), np.float32), rows, np.zeros((-(-v // tp), x), np.float32)).cycles
-    return head.run_greedy(np.zeros((requests, v), np.float32), rows).cycles
+    return head.run_greedy(np.zeros((rows.size, v), np.float32), rows).cycles
 
 
-def stage_roofline(stage: str, p_rows: int, tp: int, requests: int) -> float:
+def stage_roofline(stage: str, p_rows: int, tp: int, requests: int, depth: int = DEPTH,
+                   logit_rows: int | None = None) -> float:
     c = FLASH
+    n_cand, n_hca = index_candidates(depth), hca_entries(depth)
+    m_rows = requests if logit_rows is None else logit_rows
     local = p_rows // tp
     x, d, h, q, g, ro = c.hidden_size, c.head_dim, c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
     w = c.sliding_window
@@ -482,17 +531,18 @@ def stage_roofline(stage: str, p_rows: int, tp: int, requests: int) -> float:
         "cmp4_pool": lambda: pool(4, d, False),
         "cmp128_pool": lambda: pool(128, d, False),
         "idx_cmp_pool": lambda: pool(4, di, True),
-        "idx_candidates": lambda: entry_rows(INDEX_CANDIDATES, False),
+        "idx_candidates": lambda: entry_rows(n_cand, False),
         "csa_entry_rows": lambda: entry_rows(k, True),
-        "hca_entry_rows": lambda: entry_rows(HCA_ENTRIES, False),
+        "hca_entry_rows": lambda: entry_rows(n_hca, False),
         "indexer": lambda: roofline(2 * local * hi * di * di + 2 * local * x * hi,
-                                    2 * local * q * hi * di + 2 * local * hi * di * INDEX_CANDIDATES,
+                                    2 * local * q * hi * di + 2 * local * hi * di * n_cand,
                                     local * q + 4 * local + hi * di * q + 4 * hi * di + 2 * local * x + 2 * hi * x
-                                    + 2 * local * rd + 2 * di * di + requests * INDEX_CANDIDATES * (di + 4)
-                                    + 4 * local * INDEX_CANDIDATES + 4 * local * k),
+                                    + 2 * local * rd + 2 * di * di + requests * n_cand * (di + 4)
+                                    + 4 * local * n_cand + 4 * local * k),
         "sparse_attn_swa": lambda: attention(0),
         "sparse_attn_csa": lambda: attention(k),
-        "sparse_attn_hca": lambda: attention(HCA_ENTRIES),
+        "sparse_attn_hca": lambda: attention(n_hca),
+        "draft_attn": lambda: attention(FLASH_DSPARK.dspark_block_size),
         "o_proj": lambda: roofline(2 * local * h * d * ro, 2 * local * g * ro * x,
                                    2 * local * h * d + 2 * g * ro * (h * d // g) + x * g * ro + 4 * x
                                    + 2 * local * x),
@@ -503,8 +553,8 @@ def stage_roofline(stage: str, p_rows: int, tp: int, requests: int) -> float:
         "hc_head": lambda: roofline(2 * p_rows * kh * hc, 0, 4 * p_rows * kh + 4 * hc * kh + 2 * p_rows * x),
         "final_hidden": lambda: roofline(2 * p_rows * kh * hc, 0, 4 * p_rows * kh + 4 * hc * kh + 4 * x
                                          + 2 * p_rows * x),
-        "lm_head": lambda: _lm_head_roofline(requests, tp),
-        "greedy": lambda: roofline(0, 0, 4 * requests * c.vocab_size + 8 * requests),
+        "lm_head": lambda: _lm_head_roofline(m_rows, tp),
+        "greedy": lambda: roofline(0, 0, 4 * m_rows * c.vocab_size + 8 * m_rows),
     }
     return fixed[stage]()
 
@@ -554,7 +604,8 @@ def _failure(exc: BaseException) -> str:
 
 def measure(stages: list[str], p_rows: int, tp: int, requests: int, title: str,
             same_p: dict[str, dict[str, Any]] | None = None,
-            earlier: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+            earlier: dict[str, dict[str, Any]] | None = None, depth: int = DEPTH,
+            logit_rows: int | None = None) -> dict[str, dict[str, Any]]:
     """Cost-model cycles (child processes) and rooflines of ``stages`` at one geometry; prints the table.
 
     same_p: a table at the same P (another R): its cycles are reused for the stages outside
@@ -575,14 +626,14 @@ def measure(stages: list[str], p_rows: int, tp: int, requests: int, title: str,
             cycles, note = kept["cycles"], f"(the R={kept['requests']} kernel) {kept['note']}"
         else:
             try:
-                cycles, note = _price(stage, p_rows, tp, requests)
+                cycles, note = _price(stage, p_rows, tp, requests, depth, logit_rows)
             except NotImplementedError as exc:
                 cycles, note = None, f"missing ({exc})"
             except Exception as exc:  # a failing stage is reported in its row; the others still run
                 cycles, note = None, f"failed: {_failure(exc)}"
         wall = time.perf_counter() - start
-        roof = stage_roofline(stage, p_rows, tp, requests)
-        rows = stage_rows(stage, p_rows, tp, requests)
+        roof = stage_roofline(stage, p_rows, tp, requests, depth, logit_rows)
+        rows = stage_rows(stage, p_rows, tp, requests, logit_rows)
         ratio = f"{cycles / roof:8.1f}" if cycles else "     n/a"
         shown = f"{cycles:>18,}" if cycles else f"{'n/a':>18}"
         print(f"{stage:<22} {rows:>5} {shown} {roof:>16,.0f} {ratio} {wall:>7.1f} {note}", flush=True)
@@ -681,6 +732,69 @@ def packing(chunk: dict[str, dict[str, Any]], single: dict[str, dict[str, Any]],
     return out
 
 
+#: One draft + verify round (``--round``): requests, drafts per verify step K and the context every request has.
+ROUND_REQUESTS, ROUND_DRAFTS, ROUND_CONTEXT = 64, 5, 65536
+#: Kernel calls of one drafter stage (a V4 block: hc_pre / hc_post around attention and around the MoE; the
+#: block rows' keys are the target's shared kv kernel) and of the drafter's head over every block row (hc_head for
+#: the confidence head's input, hc_head + RMSNorm, then the LM head's vocabulary shard).
+DRAFT_STAGE_CALLS = (("hc_pre", 2), ("shared_kv", 1), ("query", 1), ("draft_attn", 1), ("o_proj", 1),
+                     ("hc_post", 2), ("moe_gate", 1), ("moe_experts", 1))
+DRAFT_HEAD_CALLS = (("hc_head", 1), ("final_hidden", 1), ("lm_head", 1))
+#: Per-round work no kernel prices: the Markov head's left-to-right biased argmax and the confidence head run on
+#: the host (reference-only stages), and the drafter's observe of the accepted rows (main_proj, RMSNorm and each
+#: stage's window keys of at most K + 1 rows per request) is left out.
+ROUND_UNPRICED = ("markov head (host)", "confidence head (host)", "observe of accepted rows")
+
+
+def round_geometries(requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS) -> dict[str, list[int]]:
+    """{"draft": [P, R], "verify": [P, R]} of one round: R x B block rows, R x (1 + K) verify rows."""
+    return {"draft": [requests * FLASH_DSPARK.dspark_block_size, requests], "verify": [requests * (1 + drafts),
+                                                                                      requests]}
+
+
+def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS, context: int = ROUND_CONTEXT,
+                earlier: dict[tuple[int, int], dict[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Cost-model cycles of one speculative round at FLASH sizes: the drafter's stages and head over R x B block
+    rows, then the target's verify step over R x (1 + K) rows ``context`` positions deep (every layer of the
+    FLASH schedule, the head over every row, hc_head after each DSpark target layer); per die of a TP group.
+    earlier: an earlier ``--round --json`` run's tables by (P, R) (``--reuse``)."""
+    b, stages = FLASH_DSPARK.dspark_block_size, FLASH_DSPARK.n_mtp_layers
+    geometry = round_geometries(requests, drafts)
+    (p_draft, _), (p_verify, _) = geometry["draft"], geometry["verify"]
+    old = earlier or {}
+    draft_names = sorted({n for n, _ in DRAFT_STAGE_CALLS + DRAFT_HEAD_CALLS}, key=list(LABELS).index)
+    draft = measure(draft_names, p_draft, tp, requests,
+                    f"draft: {stages} drafter stages + head, R={requests} x B={b} block rows",
+                    earlier=old.get((p_draft, requests)), depth=context, logit_rows=p_draft)
+    verify = measure(list(STAGES), p_verify, tp, requests,
+                     f"verify: R={requests} x (1 + K={drafts}) rows, {context} positions deep",
+                     earlier=old.get((p_verify, requests)), depth=context, logit_rows=p_verify)
+    per_stage = [(f"draft stage x{stages}", stages, _sum(draft, DRAFT_STAGE_CALLS, p_draft)),
+                 ("draft head", 1, _sum(draft, DRAFT_HEAD_CALLS, p_draft))]
+    sums = layer_sums(verify, p_verify)
+    kinds = [FLASH.layer_kind(i) for i in range(FLASH.num_layers)]
+    per_stage += [(f"verify {k.upper()} layer x{kinds.count(k)}", kinds.count(k),
+                   (sums[k]["cycles"], sums[k]["roofline"], sums[k]["missing"])) for k in LAYER_STAGES]
+    per_stage.append(("verify once (stage 1, head, hc_head x3)", 1, _sum(verify, FORWARD_ONCE, p_verify)))
+    print(f"\none draft + verify round per die (TP={tp}, cube clock {CUBE_MHZ:.0f} MHz):")
+    print(f"{'part':<42} {'cost-model cycles':>18} {'roofline cycles':>16} {'ratio':>7} {'us':>9}  missing")
+    rows: dict[str, Any] = {}
+    total = total_roof = 0.0
+    missing: set[str] = set()
+    for name, n, (cycles, roof, miss) in per_stage:
+        cycles, roof = n * cycles, n * roof
+        total, total_roof = total + cycles, total_roof + roof
+        missing.update(miss)
+        rows[name] = {"cycles": cycles, "roofline": roof, "missing": miss}
+        print(f"{name:<42} {cycles:>18,.0f} {roof:>16,.0f} {cycles / roof:>7.1f} {cycles / CUBE_MHZ:>9.0f}  "
+              f"{', '.join(miss) or '-'}")
+    print(f"{'round total':<42} {total:>18,.0f} {total_roof:>16,.0f} {total / total_roof:>7.1f} "
+          f"{total / CUBE_MHZ:>9.0f}  {', '.join(sorted(missing)) or '-'}")
+    print(f"not priced: {', '.join(ROUND_UNPRICED)}; all-gathers are not priced")
+    return {"requests": requests, "drafts": drafts, "context": context, "block": b, "draft": draft,
+            "verify": verify, "parts": rows, "cycles": total, "roofline": total_roof, "missing": sorted(missing)}
+
+
 def _earlier_tables(path: Path, tp: int, rerun: set[str]) -> dict[tuple[int, int], dict[str, dict[str, Any]]]:
     """{(P, R): {stage: row}} of an earlier ``--json`` file: the rows with cycles, minus ``rerun``."""
     try:
@@ -709,12 +823,15 @@ def main() -> None:
                         help="only the stage table at --rows (no layer sums, forward or packing)")
     parser.add_argument("--quick", action="store_true",
                         help=f"P=128: the stage table is the packed call (2 x {PACK_TOKENS}); single at {PACK_TOKENS}")
+    parser.add_argument("--round", action="store_true",
+                        help=f"only one draft + verify round: R={ROUND_REQUESTS}, K={ROUND_DRAFTS}, contexts of "
+                             f"{ROUND_CONTEXT} positions (the drafter's stages + head, then the verify step)")
     parser.add_argument("--json", type=Path, help="write every figure to this file")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
                         help="take the cycles of every stage an earlier --json file priced at the same geometry "
                              "(P, R, TP) instead of running its kernel again; the layer, forward and packing "
                              "figures are recomputed")
-    parser.add_argument("--rerun", nargs="*", default=[], choices=STAGES, metavar="STAGE",
+    parser.add_argument("--rerun", nargs="*", default=[], choices=list(LABELS), metavar="STAGE",
                         help="with --reuse: run these stages' kernels again (e.g. the ones a change touched)")
     args = parser.parse_args()
     earlier = _earlier_tables(args.reuse, args.tp, set(args.rerun)) if args.reuse else {}
@@ -730,6 +847,13 @@ def main() -> None:
     print(f"roofline per die from A2A3.ini: {BF16_FLOP_PER_CYCLE:.0f} bf16 / {INT8_FLOP_PER_CYCLE:.0f} int8 "
           f"flop/cycle, {DDR_BYTES_PER_CYCLE:.0f} B/cycle DDR, {CUBE_MHZ:.0f} MHz")
     figures: dict[str, Any] = {"rows": args.rows, "tp": args.tp, "requests": args.requests, "geometries": {}}
+    if args.round:
+        figures["round"] = draft_round(args.tp, earlier=earlier)
+        figures["geometries"] = round_geometries()
+        figures["draft"], figures["verify"] = figures["round"].pop("draft"), figures["round"].pop("verify")
+        if args.json:
+            args.json.write_text(json.dumps(figures, indent=1))
+        return
 
     def table(name: str, p_rows: int, requests: int, title: str, **kw: Any) -> dict[str, dict[str, Any]]:
         figures["geometries"][name] = [p_rows, requests]

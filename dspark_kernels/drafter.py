@@ -19,6 +19,15 @@ stages, B = ``dspark_block_size``, D hidden, T target layers, W window, r Markov
 The choice is greedy (the first maximum): DeepSeek's ``forward_head`` samples each row with its temperature
 (Gumbel-max), of which greedy is the temperature-0 case, the one a verify step's greedy acceptance checks.
 
+Backends: the stages shared with the target run on the drafter's :class:`~dspark_kernels.model.backends.Backend`
+(``backend="pypto"``: the pypto kernels, in their ``a2a3`` numerics): hc_pre with the fused attn_norm / ffn_norm,
+hc_post, the MoE (gate, routed and shared experts), the head's hc_head and hc_head + RMSNorm, and the LM head's
+logits; and the draft attention, registered per backend in :data:`DRAFT_ATTENTION` (on pypto
+:mod:`dspark_kernels.pypto.draft_attention`: its key set, ring slots plus block rows, non-causal, is the
+sparse-attention kernel's window + entry-row form). These run on the host in numpy on every backend
+(reference-only: no pypto kernel computes them yet): ``main_x`` (main_proj + RMSNorm) and the window keys of
+``observe``, the Markov head's left-to-right biased argmax and the confidence head.
+
 All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
 rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
 LM head is split by vocabulary (the target's TP, docs/architecture.md); keys, rings and hyper-connections are
@@ -27,6 +36,7 @@ computed by every rank (replicated).
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,7 +47,8 @@ import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_kernels.model import deepseek_numerics as ds
-from dspark_kernels.model.backends import Backend, default_backend
+from dspark_kernels.model.backends import REGISTRY, Backend, default_backend, resolve_backend
+from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.drafter_cache import DrafterRings
 from dspark_kernels.model.drafter_weights import DrafterWeights, drafter_issues, stage_config
 from dspark_kernels.model.forward import TargetReduction
@@ -47,12 +58,18 @@ from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.model.tp import ThreadGroup, torch_all_gather
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.reference.draft_attention import block_attention, context_keys
+from dspark_kernels.reference.draft_attention import context_keys
 
 #: ``all_gather(local [L, ...]) -> [TP * L, ...]`` (rank-major), as the target's layers use.
 AllGather = Callable[[np.ndarray], np.ndarray]
 TpMode = Literal["single", "threads", "distributed"]
 TP_MODES: tuple[TpMode, ...] = ("single", "threads", "distributed")
+#: The draft attention of each backend of the registry (module, function with the signature of
+#: :func:`dspark_kernels.reference.draft_attention.block_attention`), imported when a drafter is built: a stage
+#: only the drafter has, so it is registered beside the backend registry rather than in the Backend protocol.
+DRAFT_ATTENTION: dict[str, tuple[str, str]] = {
+    "reference": ("dspark_kernels.reference.draft_attention", "block_attention"),
+    "pypto": ("dspark_kernels.pypto.draft_attention", "block_attention_isolated")}
 
 
 @attrs.frozen(eq=False)
@@ -66,6 +83,12 @@ class DraftOutput:
 
     tokens: np.ndarray
     confidence: np.ndarray
+
+
+def _registry_name(backend: Backend) -> str | None:
+    """The registry name of a backend object (its class's entry in the backend registry), None if unregistered."""
+    kind = (type(backend).__module__, type(backend).__qualname__)
+    return next((name for name, entry in REGISTRY.items() if entry == kind), None)
 
 
 def _share(rows: int, tp: int, rank: int) -> slice:
@@ -103,6 +126,9 @@ class DSparkDrafter:
     :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
     precision: ``"fp32"`` (default), ``"deepseek"`` (the release's bf16 activations and FP8 inputs) or ``"a2a3"``
     (the a2a3 kernels' numerics in the stages shared with the target; ``main_proj`` and the heads in fp32);
+    backend: a :class:`Backend`, or a registry name (``"reference"``, ``"pypto"``: resolved for ``precision``,
+    ``config.invalid`` when the backend cannot compute it; the pypto kernels compute ``"a2a3"``), default the
+    reference;
     tp / tp_mode: the TP group size and how its ranks run
     (``"single"``: one process computes the whole group; ``"threads"``: one thread per rank, all-gathers in
     memory; ``"distributed"``: this process is one rank of an initialised ``torch.distributed`` group of ``tp``
@@ -116,7 +142,7 @@ class DSparkDrafter:
 
     def __init__(self, config: ModelConfig, weights: DrafterWeights, target: ModelWeights, *,
                  precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
-                 backend: Backend | None = None):
+                 backend: Backend | str | None = None):
         issues = drafter_issues(config)
         if weights.config != config or target.config != config:
             issues.append(Issue("config.mismatch", "weights", "drafter and target weights must be of the config",
@@ -130,14 +156,21 @@ class DSparkDrafter:
         self.stage_config = stage_config(config)
         self.precision: Precision = check_precision(precision)
         self.tp, self.tp_mode = tp, tp_mode
-        self.backend = default_backend(backend)
+        self.backend = resolve_backend(backend, precision) if isinstance(backend, str) else default_backend(backend)
+        name = backend if isinstance(backend, str) else _registry_name(self.backend)
+        if name not in DRAFT_ATTENTION:
+            raise ABIError([Issue("config.invalid", "backend", "the drafter's attention is registered for the "
+                                  "backends of the registry", expected=list(DRAFT_ATTENTION),
+                                  actual=type(self.backend).__qualname__)])
+        module, function = DRAFT_ATTENTION[name]
+        self._attention: Callable[..., np.ndarray] = getattr(importlib.import_module(module), function)
         self.rings = DrafterRings(config)
         self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def random(cls, config: ModelConfig, target: ModelWeights, seed: int = 0, *, precision: str = "fp32",
-               tp: int = 1, tp_mode: TpMode = "single", backend: Backend | None = None) -> DSparkDrafter:
+               tp: int = 1, tp_mode: TpMode = "single", backend: Backend | str | None = None) -> DSparkDrafter:
         """A drafter with :meth:`DrafterWeights.random` weights (``seed``) on ``target``."""
         return cls(config, DrafterWeights.random(config, seed), target, precision=precision, tp=tp, tp_mode=tp_mode,
                    backend=backend)
@@ -145,7 +178,7 @@ class DSparkDrafter:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: ModelConfig, target: ModelWeights, *,
                         precision: str = "fp32", tp: int = 1, tp_mode: TpMode = "single",
-                        backend: Backend | None = None, keep_layers: bool = False) -> DSparkDrafter:
+                        backend: Backend | str | None = None, keep_layers: bool = False) -> DSparkDrafter:
         """The drafter of a checkpoint folder (``mtp.*`` tensors: :meth:`DrafterWeights.from_safetensors`; streamed,
         or with ``keep_layers`` every stage kept once read, which saves re-reading them at every draft)."""
         return cls(config, DrafterWeights.from_safetensors(path, config, keep_layers=keep_layers), target,
@@ -292,27 +325,29 @@ class DSparkDrafter:
             pre = st.hc_pre(x_hc, lw.hc_attn, sc, precision=prec, norm=lw.attn_norm)
             if pre.x_normed is None:
                 raise ValueError("the backend's hc_pre returned no x_normed although it was given the norm")
-            attn = block_attention(pre.x_normed, self.rings.rings[s, slots], visible, w, cos, sin,
+            attn = self._attention(pre.x_normed, self.rings.rings[s, slots], visible, w, cos, sin,
                                    heads=c.num_attention_heads, eps=c.rms_norm_eps, scale=c.softmax_scale,
                                    precision=prec, rows=rows)
             x_hc = st.hc_post(_gather_rows(attn, r * b, tp, all_gather), x_hc, pre.post, pre.comb, precision=prec)
             ffn = st.hc_pre(x_hc, lw.hc_ffn, sc, precision=prec)
             out = st.moe(ffn.x_mixed[rows], lw.moe, sc, norm=lw.ffn_norm, precision=prec)
             x_hc = st.hc_post(_gather_rows(out, r * b, tp, all_gather), x_hc, ffn.post, ffn.comb, precision=prec)
-        h = st.hc_head(x_hc, self.weights.head_hc(), sc, precision=prec)                      # (R*B, D)
-        hidden = narrow(rms_norm(h, self.weights.head_norm(), c.rms_norm_eps), prec)
-        logits = self._logits(hidden, rank, all_gather).reshape(r, b, -1)                      # (R, B, V)
+        head = HeadWeights(self.weights.head_hc(), self.weights.head_norm(), self.target.head().head)
+        h = st.hc_head(x_hc, head.hc, sc, precision=prec)                                      # (R*B, D)
+        hidden = st.final_hidden(x_hc, head, sc, precision=prec)   # rms_norm(h, norm): the backend's fused head
+        logits = self._logits(hidden, head.head, rank, all_gather).reshape(r, b, -1)           # (R, B, V)
         return self._markov(logits, h.reshape(r, b, -1), anchors)
 
-    def _logits(self, hidden: np.ndarray, rank: int | None, all_gather: AllGather | None) -> np.ndarray:
-        """[R*B, V] fp32 LM-head logits (the target's head; vocabulary shards gathered under TP)."""
-        head, v = self.target.head().head, self.config.vocab_size
+    def _logits(self, hidden: np.ndarray, head: np.ndarray, rank: int | None, all_gather: AllGather | None
+                ) -> np.ndarray:
+        """[R*B, V] fp32 LM-head logits of every row (the target's head [V, D], through the backend's
+        ``logits_for_rows``; vocabulary shards gathered under TP)."""
+        v, every_row = self.config.vocab_size, np.arange(hidden.shape[0])
         if rank is None or all_gather is None or self.tp == 1:
-            full: np.ndarray = hidden @ head.T
-            return full
+            return self.backend.logits_for_rows(hidden, every_row, head)
         width = vocab_shard_width(v, self.tp)
         shard = np.full((hidden.shape[0], width), -np.inf, np.float32)
-        part = hidden @ head[vocab_shard(v, self.tp, rank)].T
+        part = self.backend.logits_for_rows(hidden, every_row, head[vocab_shard(v, self.tp, rank)])
         shard[:, : part.shape[1]] = part
         return np.ascontiguousarray(all_gather(np.ascontiguousarray(shard.T)).T[:, :v])
 

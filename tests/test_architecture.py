@@ -21,9 +21,10 @@ STAGES = {"lowering", "projections", "paged", "window", "compressor", "indexer",
 #: Modules of a backend that are not stages.
 HELPERS = {"reference": {"__init__", "tiling"},
            "pypto": {"__init__", "_ops", "runtime", "isolate", "index_guard", "errors"}}
-#: The rest of a layer (outside attention): numpy reference only, until a pypto backend of them exists.
+#: The rest of a layer (outside attention): stages of the Backend protocol beside the attention stages.
 LAYER_STAGES = {"hyper_connections", "moe", "head"}
-#: The DSpark drafter's own stages (dspark_kernels.drafter): numpy reference only, until a pypto backend of them.
+#: The DSpark drafter's own stages: one module per backend, registered by dspark_kernels.drafter (not in the
+#: Backend protocol: only the drafter runs them).
 DRAFTER_STAGES = {"draft_attention"}
 
 
