@@ -363,6 +363,8 @@ class BatchBuilder:
             counts = _accepted_counts(batch.requests, accepted)
             plan = attrs.evolve(plan, ends=batch.requests.first_position + counts)
         self.allocator.commit(plan)                  # alloc.stale_plan when another commit or release overtook it
+        if isinstance(batch, PersistentStep):        # the allocator's tables now hold exactly this step's delta
+            self.allocator.persistent._hold(batch)
         del self._built[id(batch)]
         self._forget_dropped()
         self._committed[id(batch)] = built.batch

@@ -48,6 +48,10 @@ CODES: dict[str, tuple[str, str]] = {
     "tables.stale_slot": ("a request's slot was released or recycled since the step was built (its generation is "
                           "not the slot's current one) or the slot is held by another request",
                           "build the step again against the current persistent tables"),
+    "tables.unapplied": ("a persistent step reached a forward with tables that do not hold its delta (not applied "
+                         "or committed, or written since)",
+                         "apply the step to the mirror (tables.apply(step)) or commit it (BatchBuilder.commit) right "
+                         "before its forward"),
     "tables.persistent": ("the persistent tables break their invariant: a block held twice or out of range, a "
                           "mapped cell outside its slot's run or an unmapped one inside it, a free slot holding pages",
                           "rebuild the tables from the allocator; never write them except by applying step deltas"),

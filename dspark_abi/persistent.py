@@ -166,6 +166,9 @@ class PersistentTables:
         self._holders = np.full(capacity, -1, np.int64)
         self._in_use = np.zeros(capacity, dtype=bool)
         self._slot_of: dict[int, int] = {}
+        #: the step whose delta these tables hold with nothing written since (what a forward may read them for);
+        #: advanced by apply and the owning allocator's commit, cleared by every other write
+        self._holding: PersistentStep | None = None
 
     def _bind_runs(self) -> None:
         """Point ``_first`` / ``_end`` (the same dictionaries: the owning allocator aliases them) at ``_runs``."""
@@ -174,6 +177,8 @@ class PersistentTables:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled and deep-copied without the run views (rebound to the copied ``_runs`` by ``__setstate__``)."""
+        # ``_holding`` goes along: a step pickled in the same payload (a one-shot launch) stays the one held, while
+        # a copy of the tables alone holds a copy of the step, which is no caller's step
         return {k: v for k, v in self.__dict__.items() if k not in ("_first", "_end")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -215,6 +220,22 @@ class PersistentTables:
     def slot_of(self, request_id: int) -> int | None:
         """The slot ``request_id`` holds, or None."""
         return self._slot_of.get(request_id)
+
+    def holds(self, step: PersistentStep) -> bool:
+        """Whether these tables hold exactly ``step``'s delta: the last step applied (:meth:`apply`) or committed by
+        the owning allocator, with no write since. Only then may a forward read them for ``step``."""
+        return self._holding is step
+
+    def holding_issues(self, step: PersistentStep) -> list[Issue]:
+        """``tables.unapplied`` unless :meth:`holds` ``step`` (O(1))."""
+        if self.holds(step):
+            return []
+        return [Issue("tables.unapplied", "tables", "the persistent tables do not hold this step's delta (it was "
+                      "not applied or committed, or the tables changed since)",
+                      expected="the tables right after apply(step) or the builder's commit(step)",
+                      actual="no step" if self._holding is None else "another step's tables",
+                      fix="apply the step to the mirror (tables.apply(step)) or commit it (BatchBuilder.commit) "
+                          "right before its forward")]
 
     def copy(self) -> PersistentTables:
         """An independent copy (tables, runs, owners, generations)."""
@@ -333,10 +354,12 @@ class PersistentTables:
             self._owner[p][m_block] = m_slot
             self._first[p][slots], self._end[p][slots] = runs[p]
         self._claim(slots, step.requests.ids)
+        self._holding = step
 
     def release(self, slot: int) -> None:
         """Free ``slot``: its blocks return to no owner, its run empties and its generation advances (every step
         built against it becomes ``tables.stale_slot``)."""
+        self._holding = None
         for p in POOL_NAMES:
             row = self._tables[p][slot]
             self._owner[p][row[row >= 0]] = -1
@@ -357,11 +380,17 @@ class PersistentTables:
 
     def _record(self, slots: np.ndarray, ids: np.ndarray, mapped: Mapping[PoolName, Cells],
                 released: Mapping[PoolName, Cells]) -> None:
-        """The owning allocator wrote tables and runs: bring the block owners and the holders along (O(changes))."""
+        """The owning allocator wrote tables and runs: bring the block owners and the holders along (O(changes)).
+        The tables then hold no step until the builder names the one committed (:meth:`_hold`)."""
+        self._holding = None
         for p in POOL_NAMES:
             self._owner[p][released[p][2]] = -1
             self._owner[p][mapped[p][2]] = mapped[p][0]
         self._claim(slots, ids)
+
+    def _hold(self, step: PersistentStep) -> None:
+        """The owning allocator just committed ``step``'s delta (``BatchBuilder.commit``)."""
+        self._holding = step
 
     def grow(self, capacity: int) -> None:
         """At least ``capacity`` slots (new slots are free, generation 0)."""

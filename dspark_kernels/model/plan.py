@@ -504,7 +504,9 @@ class PlanSource:
         (``tables.slot``, ``tables.stale_slot``); its delta was proven once, by ``apply`` or the builder's commit
         (:func:`~dspark_abi.persistent.check_step`), and its narrow tables are not rebuilt.
         Raises :class:`ABIError`: ``array.missing`` (a step without tables), ``config.invalid`` (tables with a
-        full-form batch, or tables of another config), ``tables.slot`` / ``tables.stale_slot``."""
+        full-form batch, or tables of another config), ``tables.slot`` / ``tables.stale_slot``,
+        ``tables.unapplied`` (tables that do not hold the step's delta:
+        not applied or committed, or written since)."""
         if isinstance(batch, PersistentStep):
             if not isinstance(tables, PersistentTables):
                 raise ABIError([Issue("array.missing", "tables", "a persistent step is read through its persistent "
@@ -512,6 +514,9 @@ class PlanSource:
                                       actual=type(tables).__name__, fix="pass tables=allocator.persistent after "
                                       "commit, or a mirror after mirror.apply(step)")])
             _current(batch, tables).raise_if_invalid()   # O(R): the step was built against these slots
+            issues = tables.holding_issues(batch)        # O(1): its delta, proven by apply or commit, is what they hold
+            if issues:
+                raise ABIError(issues)
             return cls(batch=PersistentRows.of(batch), tables=tables.tables, request_table_row=batch.table_slots,
                        step=batch)
         if tables is not None:

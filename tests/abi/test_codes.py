@@ -220,6 +220,8 @@ TESTED_ELSEWHERE = {
     "tables.persistent": ("tests/abi/test_persistent.py", "test_loaded_tables_are_proven"),
     "delta.mapped": ("tests/abi/test_persistent.py", "test_persistent_codes"),
     "delta.released": ("tests/abi/test_persistent.py", "test_persistent_codes"),
+    "tables.unapplied": ("tests/api/test_persistent_hot_path.py",
+                         "test_a_forward_refuses_tables_without_the_steps_delta"),
     "drafter.config": ("tests/model/test_drafter.py", "test_a_config_without_a_drafter_is_refused"),
     "drafter.gap": ("tests/model/test_drafter.py", "test_observe_gap_and_unknown_request_change_nothing"),
     "drafter.unknown_request": ("tests/model/test_drafter.py", "test_observe_gap_and_unknown_request_change_nothing"),

@@ -168,3 +168,36 @@ def test_the_loops_make_no_full_form_and_check_each_step_once(tp, mode, monkeypa
             np.testing.assert_array_equal(a.tokens[i], tokens)
         for name, array in a.caches.arrays().items():
             np.testing.assert_array_equal(array, b.caches.arrays()[name], err_msg=name)
+
+
+def test_a_forward_refuses_tables_without_the_steps_delta(weights):
+    # a step's rows are proven against the tables its delta produced; any other tables would be read at pages the
+    # rows do not map, so the forward refuses them before a kernel runs, and nothing is written
+    alloc = BlockAllocator(TINY, pool_blocks_for(TINY, [80, 40]))
+    caches = ModelCaches.allocate(TINY, alloc.pool_blocks)
+    builder = BatchBuilder(TINY, PaddingPolicy(tp_size=1), alloc)
+    tokens = np.random.default_rng(2).integers(0, TINY.vocab_size, 80)
+    builder.add(0, num_cached=0, num_new=40, token_ids=tokens[:40])
+    first = builder.build_step()
+    mirror = alloc.persistent.copy()
+    before = {name: array.copy() for name, array in caches.arrays().items()}
+
+    def refused(tables) -> list[str]:
+        with pytest.raises(ABIError) as err:
+            prefill(first, first.token_ids, weights, caches, tables=tables)
+        return err.value.codes
+
+    assert "tables.unapplied" in refused(alloc.persistent)        # built, not committed: the delta is not there
+    assert "tables.unapplied" in refused(mirror)                  # a mirror that did not apply it
+    mirror.apply(first)
+    assert "tables.unapplied" in refused(mirror.copy())           # a copy proves nothing until it applies a step
+    builder.commit(first)
+    builder.add(0, num_cached=40, num_new=30, token_ids=tokens[40:70])
+    second = builder.build_step()
+    mirror.apply(second)
+    assert "tables.unapplied" in refused(mirror)                  # tables moved on to the next step
+    for name, array in caches.arrays().items():
+        np.testing.assert_array_equal(array, before[name], err_msg=name)
+    builder.commit(second)
+    for tables in (mirror, alloc.persistent):                     # the tables right after the step: accepted
+        prefill(second, second.token_ids, weights, caches, tables=tables)

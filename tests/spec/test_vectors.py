@@ -25,6 +25,8 @@ API_ONLY_CODES = {"pools.blocks", "rank.index", "rank.replicated_mismatch", "ran
                   # rules of the persistent form (spec 5.9): its own vectors, spec/v1/vectors-persistent/
                   # (tests/abi/test_persistent.py), a full-form fixture cannot carry persistent tables
                   "tables.slot", "tables.stale_slot", "tables.persistent", "delta.mapped", "delta.released",
+                  # a forward's check of the tables it reads a persistent step through (spec 8.11)
+                  "tables.unapplied",
                   # the DSpark drafter's API (dspark_kernels.drafter), not a batch
                   "drafter.config", "drafter.gap", "drafter.unknown_request",
                   "capability.token_cap"}
