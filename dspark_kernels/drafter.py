@@ -85,6 +85,32 @@ class DraftOutput:
     confidence: np.ndarray
 
 
+@attrs.frozen
+class DrafterRecipe:
+    """How a :class:`DSparkDrafter` was made, small and picklable: what a TP rank process needs to build its own
+    drafter on its own target weights (the drafter's weights are regenerated or re-read there, never shipped).
+
+    config: the target's DSpark config; seed: random weights (:meth:`DSparkDrafter.random`) or checkpoint: a
+    checkpoint folder (:meth:`DSparkDrafter.from_checkpoint`, with ``keep_layers``); precision, backend (a
+    registry name) as the drafter's."""
+
+    config: ModelConfig
+    seed: int | None = None
+    checkpoint: str | None = None
+    precision: str = "fp32"
+    backend: str = "reference"
+    keep_layers: bool = False
+
+    def build(self, target: ModelWeights, *, tp: int = 1, tp_mode: TpMode = "single") -> DSparkDrafter:
+        """The drafter this recipe describes on ``target``, in a TP group of ``tp`` ranks run as ``tp_mode``."""
+        if self.checkpoint is not None:
+            return DSparkDrafter.from_checkpoint(self.checkpoint, self.config, target, precision=self.precision,
+                                                 tp=tp, tp_mode=tp_mode, backend=self.backend,
+                                                 keep_layers=self.keep_layers)
+        return DSparkDrafter.random(self.config, target, self.seed or 0, precision=self.precision, tp=tp,
+                                    tp_mode=tp_mode, backend=self.backend)
+
+
 def _registry_name(backend: Backend) -> str | None:
     """The registry name of a backend object (its class's entry in the backend registry), None if unregistered."""
     kind = (type(backend).__module__, type(backend).__qualname__)
@@ -166,14 +192,20 @@ class DSparkDrafter:
         self._attention: Callable[..., np.ndarray] = getattr(importlib.import_module(module), function)
         self.rings = DrafterRings(config)
         self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
+        self.recipe: DrafterRecipe | None = None
+        """How :meth:`random` / :meth:`from_checkpoint` made the drafter (a TP rank process builds its own from it);
+        None when the weights were passed in."""
+        self._backend_name = name
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def random(cls, config: ModelConfig, target: ModelWeights, seed: int = 0, *, precision: str = "fp32",
                tp: int = 1, tp_mode: TpMode = "single", backend: Backend | str | None = None) -> DSparkDrafter:
         """A drafter with :meth:`DrafterWeights.random` weights (``seed``) on ``target``."""
-        return cls(config, DrafterWeights.random(config, seed), target, precision=precision, tp=tp, tp_mode=tp_mode,
-                   backend=backend)
+        drafter = cls(config, DrafterWeights.random(config, seed), target, precision=precision, tp=tp,
+                      tp_mode=tp_mode, backend=backend)
+        drafter.recipe = DrafterRecipe(config, seed=seed, precision=precision, backend=drafter._backend_name)
+        return drafter
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: ModelConfig, target: ModelWeights, *,
@@ -181,8 +213,11 @@ class DSparkDrafter:
                         backend: Backend | str | None = None, keep_layers: bool = False) -> DSparkDrafter:
         """The drafter of a checkpoint folder (``mtp.*`` tensors: :meth:`DrafterWeights.from_safetensors`; streamed,
         or with ``keep_layers`` every stage kept once read, which saves re-reading them at every draft)."""
-        return cls(config, DrafterWeights.from_safetensors(path, config, keep_layers=keep_layers), target,
-                   precision=precision, tp=tp, tp_mode=tp_mode, backend=backend)
+        drafter = cls(config, DrafterWeights.from_safetensors(path, config, keep_layers=keep_layers), target,
+                      precision=precision, tp=tp, tp_mode=tp_mode, backend=backend)
+        drafter.recipe = DrafterRecipe(config, checkpoint=str(path), precision=precision,
+                                       backend=drafter._backend_name, keep_layers=keep_layers)
+        return drafter
 
     # ------------------------------------------------------------------ observe
     def main_x(self, features: np.ndarray) -> np.ndarray:

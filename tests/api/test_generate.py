@@ -323,15 +323,29 @@ def test_dspark_drafter_adaptive_width(weights):
 
 
 @pytest.mark.distributed
-def test_dspark_drafter_on_rank_processes(weights):
-    """TP 2 with one process per target rank (the drafter runs on the host): tokens equal threads' plain run."""
-    short = [prompts()[0], prompts()[1][:9]]
+def test_dspark_drafter_runs_in_the_rank_processes(weights):
+    """TP 2 with one process per rank: the DSpark drafter runs there (TP 2 over the group, fed by each rank's own
+    target features), not in the caller. Tokens equal plain greedy decoding; every step's rows (so every draft)
+    and the acceptance equal the same loop's with the drafter as a single group in the caller (threads TP, the
+    ranks' arithmetic; the drafter's TP drafts equal its single group's: tests/model/test_drafter.py); no step
+    brings target features back to the caller, whose drafter is never called."""
     from dspark_kernels.speculative import greedy_decode
 
-    reference = greedy_decode(short, weights, 4, tp=2, tp_mode="threads")
-    got = generate(short, weights, dspark(weights), 4, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
+    short = [prompts()[0], prompts()[1][:9]]
+    reference = greedy_decode(short, weights, 6, tp=2, tp_mode="threads")
+    single = generate(short, weights, dspark(weights), 6, B, tp=2, tp_mode="threads", prefill_chunk=CHUNK)
+    caller = dspark(weights)
+    got = generate(short, weights, caller, 6, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
     for i, tokens in reference.tokens.items():
         np.testing.assert_array_equal(got.tokens[i], tokens)
+    assert len(got.steps) == len(single.steps) and got.accepted_lengths == single.accepted_lengths
+    for mine, theirs in zip(got.steps, single.steps, strict=True):
+        np.testing.assert_array_equal(mine.batch.token_ids, theirs.batch.token_ids)   # anchors and drafts
+        np.testing.assert_array_equal(mine.accepted, theirs.accepted)
+    verified = [v for s in got.steps for v in s.verify]
+    assert verified and all(v.target_hidden is None for v in verified)
+    assert all(v.target_hidden is not None for s in single.steps for v in s.verify)
+    assert caller.rings.slot_of == {} and getattr(caller, "released", []) == []
 
 
 def test_dspark_drafter_near_the_position_limit():
