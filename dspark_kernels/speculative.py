@@ -712,6 +712,11 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     in prefill, and a verify request for every other unfinished request (its anchor and up to ``K`` drafts,
     fewer near ``max_new_tokens`` or the position limit). tp / tp_mode: the TP group size and how its ranks run
     (:data:`TP_MODES`); backend / precision as :func:`dspark_kernels.prefill`.
+    In ``"distributed"`` mode on the persistent form a ``DSparkDrafter`` with a ``recipe`` (made by ``random`` or
+    ``from_checkpoint``) runs in the rank processes (TP over the group): each rank keeps its step's target
+    features, the loop sends only which rows were committed, ``VerifyOutput.target_hidden`` is None and the
+    ``drafter`` object itself is never called. Other drafters, a DSpark drafter built from weights in memory and
+    the full table form keep the drafter in this process, fed the features each step returns.
 
     drafter: a :class:`Drafter` (``propose`` from the token contexts) or a :class:`ConditionedDrafter` (the
     DSpark drafter): after every commit it observes the target features of the committed rows of every request

@@ -72,9 +72,10 @@ class _Recorded(DSparkDrafter):
         return super()._logits(hidden, head, rank, all_gather)
 
 
-def _draft(backend: object) -> tuple[_Recorded, object]:
+def _draft(backend: object, **tp: object) -> tuple[_Recorded, object]:
     target = ModelWeights.random(C, 0)
-    d = _Recorded(C, DrafterWeights.random(C, 3), target, precision="a2a3", backend=backend)  # type: ignore[arg-type]
+    d = _Recorded(C, DrafterWeights.random(C, 3), target, precision="a2a3", backend=backend,  # type: ignore[arg-type]
+                  **tp)
     ids = list(LENGTHS)
     d.observe(ids, [np.arange(LENGTHS[r]) for r in ids], [_features(r, LENGTHS[r]) for r in ids])
     anchors = np.array([r * 7 % C.vocab_size for r in ids])
@@ -159,3 +160,14 @@ def test_pypto_draft_attention_equals_the_reference_within_the_attention_policy(
     # the ring matters: the reference without it moves the output far past the tolerance
     no_ring = block_attention(x, ring, np.ones_like(visible), w, cos, sin, **kw)
     assert np.abs(no_ring - want).max() > 10 * LAYER_ATOL
+
+
+def test_pypto_drafter_tp_equals_the_single_group():
+    """TP 2 (threads) on pypto: each rank runs its share of the block rows through the draft attention and the
+    MoE kernels and its vocabulary shard through the LM head, gathered rank-major; the drafts and confidences
+    equal the single group's on pypto."""
+    single_d, single = _draft("pypto")
+    tp_d, tp = _draft("pypto", tp=2, tp_mode="threads")
+    assert tp_d.tp == 2 and isinstance(tp_d.backend, PyptoBackend)
+    np.testing.assert_array_equal(tp.tokens, single.tokens)
+    np.testing.assert_array_equal(tp.confidence, single.confidence)
