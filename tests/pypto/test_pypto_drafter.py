@@ -87,13 +87,20 @@ def test_pypto_drafter_equals_the_reference_drafter_within_the_bf16_policies():
     got_d, got = _draft("pypto")
     assert isinstance(got_d.backend, PyptoBackend)
     assert got_d._attention.__module__ == "dspark_kernels.pypto.draft_attention"   # the registered pypto stage
+    _assert_within_the_bf16_policies(ref, want, got_d, got, "pypto drafter")
+
+
+def _assert_within_the_bf16_policies(ref: _Recorded, want, got_d: _Recorded, got, label: str,  # type: ignore[no-untyped-def]
+                                     heads: bool = True) -> None:
+    """``got`` (drafted by ``got_d``) agrees with ``want`` (by ``ref``) within the module docstring's policies:
+    tokens and confidences, and with ``heads`` the head rows h element by element."""
     logits, h = ref.seen
     got_logits, got_h = got_d.seen
     assert np.isfinite(got_h).all() and np.isfinite(got_logits).all()
-    # head rows: one bf16 step, on few elements
-    np.testing.assert_allclose(got_h, h, rtol=BF16_RTOL, atol=BF16_ATOL_CANCELLING)
     differing = float(np.mean(got_h != h))
-    assert differing <= MAX_DIFFERING_FRACTION, differing
+    if heads:   # head rows: one bf16 step, on few elements
+        np.testing.assert_allclose(got_h, h, rtol=BF16_RTOL, atol=BF16_ATOL_CANCELLING)
+        assert differing <= MAX_DIFFERING_FRACTION, differing
     # tokens, row by row: equal unless the reference's top-2 margin is within the logits' bound
     w = ref.weights
     head = ref.target.head().head
@@ -114,7 +121,7 @@ def test_pypto_drafter_equals_the_reference_drafter_within_the_bf16_policies():
                 break
             previous = int(want.tokens[k, i])
         assert r_anchor == rid * 7 % C.vocab_size
-    print(f"\npypto drafter: {int(compared.sum())} of {compared.size} block rows compared, "
+    print(f"\n{label}: {int(compared.sum())} of {compared.size} block rows compared, "
           f"near-tie token differences (request, row, reference margin, logits bound): {near_ties or 'none'}")
     # confidence on the compared rows: every h element one bf16 step off at worst, plus two fp32 orders
     if w.confidence is not None:
@@ -165,9 +172,15 @@ def test_pypto_draft_attention_equals_the_reference_within_the_attention_policy(
 def test_pypto_drafter_tp_equals_the_single_group():
     """TP 2 (threads) on pypto: each rank runs its share of the block rows through the draft attention and the
     MoE kernels and its vocabulary shard through the LM head, gathered rank-major; the drafts and confidences
-    equal the single group's on pypto."""
+    equal the single group's on pypto within the bf16 policies of the module docstring."""
     single_d, single = _draft("pypto")
     tp_d, tp = _draft("pypto", tp=2, tp_mode="threads")
     assert tp_d.tp == 2 and isinstance(tp_d.backend, PyptoBackend)
-    np.testing.assert_array_equal(tp.tokens, single.tokens)
-    np.testing.assert_array_equal(tp.confidence, single.confidence)
+    # A rank's kernels see only its share of the rows (attention, MoE) or of the vocabulary (LM head), and the
+    # attention kernel's fp32 summation order depends on its row count: a bf16 rounding flips now and then
+    # (measured: one element of stage 1's attention output, 2**-9, in request 1's first row), and the later
+    # stages carry it to that request's other rows, whose head rows then differ by more than one bf16 step on
+    # ~15 % of their elements (the other requests stay bit-equal). The final values are held to the policies of
+    # the pypto-vs-reference test: tokens equal unless a near tie, confidences within one bf16 step of every
+    # head element.
+    _assert_within_the_bf16_policies(single_d, single, tp_d, tp, "pypto drafter TP 2 vs single group", heads=False)
