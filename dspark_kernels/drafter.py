@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -174,6 +175,14 @@ class DSparkDrafter:
         self._attention: Callable[..., np.ndarray] = getattr(importlib.import_module(module), function)
         self.window_cache = DrafterWindow(config)
         self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
+
+    @property
+    def rings(self) -> DrafterWindow:
+        """Deprecated (1.4): the per-request rings became the window cache in the ``ori`` pool,
+        :attr:`window_cache`."""
+        warnings.warn("DSparkDrafter.rings is deprecated: the window lives in the ori pool; use "
+                      "DSparkDrafter.window_cache", DeprecationWarning, stacklevel=2)
+        return self.window_cache
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -162,7 +162,8 @@ class DrafterWindow:
         ``q mod W = j`` (negative: none, the slot is a zero row)."""
         w = self.window
         j = np.arange(w, dtype=np.int64)
-        return at[:, None] - w + (j[None, :] - at[:, None]) % w
+        positions: np.ndarray = at[:, None] - w + (j[None, :] - at[:, None]) % w
+        return positions
 
     def window_rows(self, request_ids: Sequence[int], at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(``ori`` rows [R, W] int64 of every ring slot, -1 for a slot before position 0; mask [R, W] of the slots

@@ -316,13 +316,16 @@ def dspark(weights: ModelWeights, tp: int = 1, mode: str = "single") -> Spied:
                         tp_mode="threads" if mode == "threads" else "single")
 
 
-@pytest.mark.parametrize("tp,mode", [(1, "single"), (2, "threads")])
-def test_dspark_drafter_yields_plain_greedy_tokens(weights, tp, mode):
-    """The golden property with the DSpark drafter (random TINY-DSpark weights), packed with prefill chunks; every
-    request released once."""
+@pytest.mark.parametrize("tp,mode,tables", [(1, "single", "persistent"), (2, "threads", "persistent"),
+                                           (1, "single", "full")])
+def test_dspark_drafter_yields_plain_greedy_tokens(weights, tp, mode, tables):
+    """The golden property with the DSpark drafter (random TINY-DSpark weights), packed with prefill chunks, its
+    window in the loop's ori pool (both table forms commit into the allocator's persistent tables); every request
+    released once."""
     reference = plain(weights, tp, mode)
     drafter = dspark(weights, tp, mode)
-    got = generate(prompts(), weights, drafter, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK)
+    got = generate(prompts(), weights, drafter, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK,
+                   tables=tables)
     assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
     assert any(s.mixed for s in got.steps)
     assert sorted(drafter.released) == list(range(len(prompts())))

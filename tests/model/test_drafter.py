@@ -619,6 +619,8 @@ def test_attach_refuses_other_tables_while_requests_are_observed():
     assert _state(d) == before
     steps.attach(d)                                                        # the same tables again: nothing changes
     assert _state(d) == before
+    with pytest.warns(DeprecationWarning):                                 # 1.3's name of the window cache
+        assert d.rings is d.window_cache
     d.release([1])
     other.attach(d)                                                        # nothing observed: the cache follows
     assert d.window_cache.keys.shape[1] == 64 * 32 and d.window_cache.tables is other.alloc.persistent
