@@ -639,11 +639,12 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     (:data:`TP_MODES`); backend / precision as :func:`dspark_kernels.prefill`.
 
     drafter: a :class:`Drafter` (``propose`` from the token contexts) or a :class:`ConditionedDrafter` (the
-    DSpark drafter): after every commit it observes the target features of the committed rows of every request
+    DSpark drafter): it is attached to the allocator's persistent tables first (its window lives in their ``ori``
+    pool, spec 5.10); after every commit it observes the target features of the committed rows of every request
     that will draft again (all rows of a prefill chunk, the anchor and accepted drafts of a verify request), in
-    the ``features`` reduction (``"mean"``; ``"hc_head"`` only with ``allow_hc_head=True``); before each step it
-    drafts a block per verifying request (one packed call); finished requests are released (also when the loop
-    fails). adaptive: verify each request's drafts while their raw confidence logit is >= this threshold, at
+    the ``features`` reduction (``"mean"``; ``"hc_head"`` only with ``allow_hc_head=True``); before each step is
+    built it drafts a block per verifying request (one packed call); finished requests are released (also when
+    the loop fails). adaptive: verify each request's drafts while their raw confidence logit is >= this threshold, at
     least ``min_drafts`` and at most ``K`` (:func:`draft_widths`); None: always ``K`` (fewer near the ends).
     :func:`check_deployment` runs first: any issue raises :class:`ABIError` before anything is computed.
     cached / allocator / caches: requests whose first ``cached[i]`` tokens are already in ``caches`` (the
