@@ -30,12 +30,13 @@ reference takes the lower entry first); callers compare selections as sets with 
 
 Top-k at any candidate count (:func:`_tiled_select`): pypto's sort holds one vector tile of scores and its sorted
 copies in the vector core's unified buffer, SORT_BYTES_PER_COLUMN bytes per column against UB_BYTES, so at most
-:data:`MAX_SORT_COLUMNS` columns sort at once (16,384 candidates, a 65,536-deep request, need 327,680 B). Wider
-rows are scored in ``n = ceil(C / MAX_SORT_COLUMNS)`` column tiles of equal width (:func:`sort_tiles`); each
-tile keeps its best ``kw = ceil(k / 32) * 32`` columns (values and fp32 column numbers), and the winners are
-merged by top-k over their concatenation, up to MAX_SORT_COLUMNS // kw tiles per merge (19 for k = 512), as a
-tree until one remains. The k best of the row are among the tile winners (a column beaten by kw >= k others of
-its own tile is beaten by k overall), so the selection is the single pass's, up to the order of ties.
+:data:`MAX_SORT_COLUMNS` columns sort at once (16,384 candidates, a 65,536-deep request, need 327,680 B). Rows
+wider than S = SORT_TILE_COLUMNS (the cost model's choice within that bound) are scored in ``n = ceil(C / S)``
+column tiles of equal width (:func:`sort_tiles`: 16,384 candidates as 4 tiles of 4,096); each tile keeps its best
+``kw = ceil(k / 32) * 32`` columns (values and fp32 column numbers), and the winners are merged by top-k over
+their concatenation, up to S // kw tiles per merge (8 for k = 512), as a tree until one remains. The k best of
+the row are among the tile winners (a column beaten by kw >= k others of its own tile is beaten by k overall),
+so the selection is the single pass's, up to the order of ties.
 
 Structure: the query side runs batched over [T*HI, dI] rows; then one ``pypto.loop`` iteration per
 ROW_BLOCK rows, each row's candidate keys gathered straight into L1 (``pypto.experimental.gather_in_l1``):
@@ -72,6 +73,10 @@ SORT_BYTES_PER_COLUMN = 20
 #: Widest column tile one ``topk`` sorts: floor(UB_BYTES / SORT_BYTES_PER_COLUMN) rounded down to SORT_ALIGN
 #: (9,824).
 MAX_SORT_COLUMNS = UB_BYTES // SORT_BYTES_PER_COLUMN // SORT_ALIGN * SORT_ALIGN
+#: Widest sort tile the kernel uses (<= MAX_SORT_COLUMNS), chosen with pypto's cost model (benchmarks/bench_pypto.py
+#: ``--round``: FLASH, L = 96 rows, 16,384 candidates, k = 512): 2 tiles of 8,192 981,439 cycles, 3 x 5,472
+#: 907,176, 4 x 4,096 839,542, 5 x 3,296 958,802, 6 x 2,752 918,622, 8 x 2,048 853,409, 16 x 1,024 1,200,393.
+SORT_TILE_COLUMNS = 4096
 # Tiles and merging chosen with pypto's cost model (benchmarks/bench_pypto.py, FLASH, L = 128 rows, 1024
 # candidates; roofline 15.0k cycles). The model charges ~1.4k cycles per copy into a core's buffer whatever its
 # size, ~0.4k of AICPU time per dependency between tasks, and its AICPUs take 3-10k cycles from a task's end
@@ -142,14 +147,14 @@ def tile_winners(topk: int) -> int:
 def sort_tiles(columns: int, topk: int, tile_columns: int = 0) -> tuple[int, int, int]:
     """(tiles n, tile width W, merge fan-in) of the top-k over ``columns`` candidates.
 
-    The widest sort is ``S = tile_columns or MAX_SORT_COLUMNS`` columns: one tile of every column when they fit
+    The widest sort is ``S = tile_columns or SORT_TILE_COLUMNS`` columns: one tile of every column when they fit
     (C rounded up to SORT_ALIGN), else ``n = ceil(C / S)`` tiles of ``W = max(kw, ceil(C / n))`` rounded up to
     SORT_ALIGN (the host pads the candidates to n * W with non-candidates); each merge sorts the winners of up to
     ``S // kw`` tiles (kw: :func:`tile_winners`). A small ``tile_columns`` (a multiple of SORT_ALIGN, at least
     2 * kw) runs the tiled top-k and its merge tree on few candidates. ValueError for one pypto cannot sort or
     merge.
     """
-    widest = tile_columns or MAX_SORT_COLUMNS
+    widest = tile_columns or SORT_TILE_COLUMNS
     kw = tile_winners(topk)
     if widest % SORT_ALIGN or widest < 2 * kw or widest > MAX_SORT_COLUMNS:
         raise ValueError(f"tile_columns={tile_columns} (topk={topk}) must be a multiple of {SORT_ALIGN} between two "
@@ -330,7 +335,7 @@ def run_indexer(low_rank: tuple[np.ndarray, np.ndarray], x: np.ndarray, weights:
     low_rank: the attention's low-rank query (qr_q [T, q] int8, qr_scale [T, 1] float32); x [T, X] (bf16
     values); rope: cos / sin [T, rd/2] at the rows' positions; keys: the idx pool [rows, dI] int8 and idx_scale
     [rows]; candidates [T, C] int physical idx rows (-1 = none); ``rounds`` of topk calls (k divisible by it;
-    0 = ceil(k / 128)); ``tile_columns``: the widest sort tile (0 = MAX_SORT_COLUMNS, from the UB budget; smaller
+    0 = ceil(k / 128)); ``tile_columns``: the widest sort tile (0 = SORT_TILE_COLUMNS; smaller
     to run the tiled top-k on few candidates), see :func:`sort_tiles`.
     """
     qr_q, qr_scale = low_rank
