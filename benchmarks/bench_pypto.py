@@ -40,7 +40,7 @@ Stages whose kernels do not exist yet are printed as ``missing`` and the sums na
 positions): the drafter's table over R x B block rows (B = ``dspark_block_size``; its draft attention is the
 sparse-attention kernel over the W ring keys plus the B block keys), the verify step's table over R x (1 + K) rows
 that deep (indexer candidates and HCA entries follow the depth: 16,384 and 512 per row; the indexer's top-512
-sorts them in two column tiles of 8,192 and merges the winners, ``dspark_kernels.pypto.indexer.sort_tiles``), then
+sorts them in four column tiles of 4,096 and merges the winners, ``dspark_kernels.pypto.indexer.sort_tiles``), then
 per part (three drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule,
 the verify step's once-per-call stages) and in total, per die, with the round's ms per die and the tokens/s per die
 it gives between every first draft rejected (R tokens per round) and every draft accepted (R x (1 + K)). The
