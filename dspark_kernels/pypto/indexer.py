@@ -29,14 +29,15 @@ over the candidates with pypto's ``topk`` (in rounds of <= 128 for k > 128). Tie
 reference takes the lower entry first); callers compare selections as sets with a tie tolerance.
 
 Top-k at any candidate count (:func:`_tiled_select`): pypto's sort holds one vector tile of scores and its sorted
-copies in the vector core's unified buffer, SORT_BYTES_PER_COLUMN bytes per column against UB_BYTES, so at most
-:data:`MAX_SORT_COLUMNS` columns sort at once (16,384 candidates, a 65,536-deep request, need 327,680 B). Rows
-wider than S = SORT_TILE_COLUMNS (the cost model's choice within that bound) are scored in ``n = ceil(C / S)``
-column tiles of equal width (:func:`sort_tiles`: 16,384 candidates as 4 tiles of 4,096); each tile keeps its best
-``kw = ceil(k / 32) * 32`` columns (values and fp32 column numbers), and the winners are merged by top-k over
-their concatenation, up to S // kw tiles per merge (8 for k = 512), as a tree until one remains. The k best of
-the row are among the tile winners (a column beaten by kw >= k others of its own tile is beaten by k overall),
-so the selection is the single pass's, up to the order of ties.
+copies in the vector core's unified buffer, SORT_BYTES_PER_COLUMN bytes per column, next to the row's k selected
+columns, against UB_BYTES, so at most :func:`max_sort_columns` columns sort at once (9,728 for k = 512; 16,384
+candidates, a 65,536-deep request, need 327,680 B). Rows wider than S = SORT_TILE_COLUMNS (the cost model's
+choice within that bound) are scored in ``n = ceil(C / S)`` column tiles of equal width (:func:`sort_tiles`:
+16,384 candidates as 4 tiles of 4,096); each tile keeps its best ``kw = ceil(k / 32) * 32`` columns (values and
+fp32 column numbers), and the winners are merged by top-k over their concatenation, up to S // kw tiles per merge
+(8 for k = 512), as a tree until one remains. The k best of the row are among the tile winners (a column beaten
+by kw >= k others of its own tile is beaten by k overall), so the selection is the single pass's, up to the order
+of ties.
 
 Structure: the query side runs batched over [T*HI, dI] rows; then one ``pypto.loop`` iteration per
 ROW_BLOCK rows, each row's candidate keys gathered straight into L1 (``pypto.experimental.gather_in_l1``):
@@ -70,12 +71,10 @@ UB_BYTES = 196_608
 #: ``OP BITSORT in/output total size [327680] exceeds MEM_UB size [196608]`` for a 16,384-column tile (the
 #: scores, their sorted copy with column numbers, and the merge buffer: 20 B per column).
 SORT_BYTES_PER_COLUMN = 20
-#: Widest column tile one ``topk`` sorts: floor(UB_BYTES / SORT_BYTES_PER_COLUMN) rounded down to SORT_ALIGN
-#: (9,824).
-MAX_SORT_COLUMNS = UB_BYTES // SORT_BYTES_PER_COLUMN // SORT_ALIGN * SORT_ALIGN
-#: Widest sort tile the kernel uses (<= MAX_SORT_COLUMNS), chosen with pypto's cost model (benchmarks/bench_pypto.py
-#: ``--round``: FLASH, L = 96 rows, 16,384 candidates, k = 512): 2 tiles of 8,192 981,439 cycles, 3 x 5,472
-#: 907,176, 4 x 4,096 839,542, 5 x 3,296 958,802, 6 x 2,752 918,622, 8 x 2,048 853,409, 16 x 1,024 1,200,393.
+#: Widest sort tile the kernel uses (<= :func:`max_sort_columns`), chosen with pypto's cost model
+#: (benchmarks/bench_pypto.py ``--round``: FLASH, L = 96 rows, 16,384 candidates, k = 512): 2 tiles of 8,192
+#: 981,439 cycles, 3 x 5,472 907,176, 4 x 4,096 839,542, 5 x 3,296 958,802, 6 x 2,752 918,622, 8 x 2,048 853,409,
+#: 16 x 1,024 1,200,393.
 SORT_TILE_COLUMNS = 4096
 # Tiles and merging chosen with pypto's cost model (benchmarks/bench_pypto.py, FLASH, L = 128 rows, 1024
 # candidates; roofline 15.0k cycles). The model charges ~1.4k cycles per copy into a core's buffer whatever its
@@ -133,6 +132,15 @@ def _select(score: Any, topk: int, rounds: int) -> tuple[Any, Any]:
     return pypto.concat(values, -1), pypto.concat(picked, -1)
 
 
+def max_sort_columns(topk: int) -> int:
+    """Widest column tile one row's top-k sorts in pypto 0.2.0: ``(UB_BYTES - 4 * k) / SORT_BYTES_PER_COLUMN``
+    rounded down to SORT_ALIGN; the 4 * k bytes are the row's k int32 columns being assembled into ``top``, resident
+    in the buffer while the sort runs. 9,728 for k = 512: at L = 2 rows a single tile of 9,728 compiled, one of
+    9,760 did not (the scheduler's ``Spill all buffer failed`` on MEM_UB beside that 2,048-byte row), nor 9,824
+    (UB_BYTES / 20 rounded down: the sort alone fits)."""
+    return (UB_BYTES - 4 * topk) // SORT_BYTES_PER_COLUMN // SORT_ALIGN * SORT_ALIGN
+
+
 def _rounds_for(k: int, rounds: int) -> int:
     """``rounds`` when it splits k into topk calls pypto accepts, else as few as k allows (ceil(k / 128))."""
     return rounds if rounds and k % rounds == 0 and k // rounds <= TOPK_MAX_K else -(-k // TOPK_MAX_K)
@@ -156,9 +164,10 @@ def sort_tiles(columns: int, topk: int, tile_columns: int = 0) -> tuple[int, int
     """
     widest = tile_columns or SORT_TILE_COLUMNS
     kw = tile_winners(topk)
-    if widest % SORT_ALIGN or widest < 2 * kw or widest > MAX_SORT_COLUMNS:
+    widest_sort = max_sort_columns(topk)
+    if widest % SORT_ALIGN or widest < 2 * kw or widest > widest_sort:
         raise ValueError(f"tile_columns={tile_columns} (topk={topk}) must be a multiple of {SORT_ALIGN} between two "
-                         f"tiles' winners ({2 * kw}) and MAX_SORT_COLUMNS ({MAX_SORT_COLUMNS})")
+                         f"tiles' winners ({2 * kw}) and the widest sort ({widest_sort})")
     columns = max(columns, topk)
     n = -(-columns // widest)
     share = -(-columns // n)  # columns per tile before alignment
