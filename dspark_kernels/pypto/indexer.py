@@ -155,21 +155,25 @@ def tile_winners(topk: int) -> int:
 def sort_tiles(columns: int, topk: int, tile_columns: int = 0) -> tuple[int, int, int]:
     """(tiles n, tile width W, merge fan-in) of the top-k over ``columns`` candidates.
 
-    The widest sort is ``S = tile_columns or SORT_TILE_COLUMNS`` columns: one tile of every column when they fit
-    (C rounded up to SORT_ALIGN), else ``n = ceil(C / S)`` tiles of ``W = max(kw, ceil(C / n))`` rounded up to
-    SORT_ALIGN (the host pads the candidates to n * W with non-candidates); each merge sorts the winners of up to
-    ``S // kw`` tiles (kw: :func:`tile_winners`). A small ``tile_columns`` (a multiple of SORT_ALIGN, at least
-    2 * kw) runs the tiled top-k and its merge tree on few candidates. ValueError for one pypto cannot sort or
-    merge.
+    The widest sort is ``S = tile_columns`` or SORT_TILE_COLUMNS (at least two tiles' winners 2 * kw, at most
+    :func:`max_sort_columns`) columns: one tile of every column when they fit (C rounded up to SORT_ALIGN), else
+    ``n = ceil(C / S)`` tiles of ``W = max(kw, ceil(C / n))`` rounded up to SORT_ALIGN (the host pads the
+    candidates to n * W with non-candidates); each merge sorts the winners of up to ``S // kw`` tiles (kw:
+    :func:`tile_winners`). A small ``tile_columns`` (a multiple of SORT_ALIGN from 2 * kw to max_sort_columns)
+    runs the tiled top-k and its merge tree on few candidates. ValueError for a tile_columns outside that range,
+    or a k too large to merge two tiles' winners when the candidates need more than one tile.
     """
-    widest = tile_columns or SORT_TILE_COLUMNS
     kw = tile_winners(topk)
     widest_sort = max_sort_columns(topk)
-    if widest % SORT_ALIGN or widest < 2 * kw or widest > widest_sort:
+    if tile_columns and (tile_columns % SORT_ALIGN or not 2 * kw <= tile_columns <= widest_sort):
         raise ValueError(f"tile_columns={tile_columns} (topk={topk}) must be a multiple of {SORT_ALIGN} between two "
                          f"tiles' winners ({2 * kw}) and the widest sort ({widest_sort})")
+    widest = tile_columns or min(max(SORT_TILE_COLUMNS, 2 * kw), widest_sort)
     columns = max(columns, topk)
     n = -(-columns // widest)
+    if n > 1 and widest < 2 * kw:
+        raise ValueError(f"topk={topk}: {columns} candidates need several sort tiles, and two tiles' {kw} winners "
+                         f"exceed the widest sort ({widest_sort} columns)")
     share = -(-columns // n)  # columns per tile before alignment
     width = -(-share // SORT_ALIGN) * SORT_ALIGN
     return n, max(width, kw) if n > 1 else width, widest // kw

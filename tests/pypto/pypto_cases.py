@@ -157,3 +157,11 @@ def indexer_direct(cases: list[tuple]) -> list[tuple[np.ndarray, tuple[int, int,
                           tile_columns=tile_columns).values[-1]
         out.append((top, sort_tiles(candidates.shape[1], topk, tile_columns)))
     return out
+
+
+def sort_tile_plans(cases: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int, int], int, int]]:
+    """Per (columns, topk, tile_columns): (``indexer.sort_tiles``, ``max_sort_columns(topk)``,
+    ``tile_winners(topk)``)."""
+    from dspark_kernels.pypto.indexer import max_sort_columns, sort_tiles, tile_winners
+
+    return [(sort_tiles(c, k, w), max_sort_columns(k), tile_winners(k)) for c, k, w in cases]

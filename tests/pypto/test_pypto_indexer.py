@@ -137,3 +137,19 @@ def test_tiled_topk_matches_reference():
         assert_topk_sets_match(got, want, scores)
         for t in range(3):  # distinct scores at the k-th: the same set exactly
             assert set(got[t].tolist()) == set(want[t].tolist()), (tiles, rounds, t, got[t], want[t])
+
+
+def test_sort_tiles_cover_every_candidate_within_the_buffer():
+    """``sort_tiles``: n tiles of W cover the candidates, each fits one sort (UB budget) and holds its winners, a
+    merge fits too; FLASH's 16,384 candidates (a 65,536-deep request) sort as 4 tiles of 4,096, its 1,024 (4,096
+    deep) in one pass."""
+    cases = [(c, k, w) for k in (8, 128, 512, 2048) for c in (1, 100, 1024, 4097, 9000, 16384, 65536)
+             for w in (0, 4 * -(-k // 32) * 32)]
+    plans = run_isolated(pypto_cases.sort_tile_plans, cases)
+    for (c, k, w), ((n, width, fan_in), widest_sort, kw) in zip(cases, plans, strict=True):
+        assert n * width >= max(c, k) and width % 32 == 0 and width <= widest_sort, (c, k, w, n, width)
+        assert n == 1 or (width >= kw and fan_in >= 2 and fan_in * kw <= widest_sort), (c, k, w, n, width, fan_in)
+        assert n * width - max(c, k) < n * 32 + (kw * n if n > 1 else 0), (c, k, w, n, width)  # little padding
+    flash = dict(zip(cases, plans, strict=True))
+    assert flash[(16384, 512, 0)][0] == (4, 4096, 8) and flash[(1024, 512, 0)][0][0] == 1
+    assert flash[(16384, 512, 0)][1] == 9728  # (196,608 - 4 * 512) / 20, in whole 32-column groups
