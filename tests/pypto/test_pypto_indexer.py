@@ -153,3 +153,31 @@ def test_sort_tiles_cover_every_candidate_within_the_buffer():
     flash = dict(zip(cases, plans, strict=True))
     assert flash[(16384, 512, 0)][0] == (4, 4096, 8) and flash[(1024, 512, 0)][0][0] == 1
     assert flash[(16384, 512, 0)][1] == 9728  # (196,608 - 4 * 512) / 20, in whole 32-column groups
+
+
+def test_tiled_topk_at_the_flash_geometry():
+    """The default tiling at FLASH's 64K-context geometry: 16,384 candidates per row and k = 512 (4 rounds), which
+    no single sort holds (``max_sort_columns(512)`` = 9,728), so the kernel sorts 4 tiles of 4,096 and merges their
+    winners at once. Distinct random scores (one row 30 % non-candidates): the selected sets equal the reference's."""
+    rng = np.random.default_rng(SEED)
+    c, rows, columns, pool_rows, k = CONFIG, 2, 16384, 20000, 512
+    w = prepare_weights(AttentionWeights.random(c, LAYER, seed=SEED), "a2a3")
+    x = bf16_round(rng.standard_normal((rows, c.hidden_size)).astype(np.float32))
+    pos = np.arange(rows, dtype=np.int64) + 70000
+    cos, sin = rope_at(c, "csa", pos, "a2a3")
+    lrq = low_rank_query(x, w, c.rms_norm_eps, "a2a3")
+    iq = index_query(lrq, x, w, cos, sin, c.index_n_heads, c.index_weight_scale, "a2a3")
+    keys = IndexKeyPools(rng.integers(-127, 128, (pool_rows, c.index_head_dim)).astype(np.int8),
+                         rng.uniform(1e-3, 2e-2, pool_rows).astype(np.float32))
+    cand = np.stack([rng.permutation(pool_rows)[:columns] for _ in range(rows)]).astype(np.int32)
+    cand[1, rng.random(columns) < 0.3] = -1
+    scores = np.stack([index_scores(iq.rows(t, t + 1), keys.keys[np.maximum(cand[t], 0)].astype(np.float32),
+                                    keys.scales[np.maximum(cand[t], 0)], "a2a3")[0] for t in range(rows)])
+    scores = np.where(cand >= 0, scores, -np.inf)
+    want = select_topk(scores, k)
+    args = ((lrq.qr_q, lrq.qr_scale), x, w, c.index_n_heads, c.index_weight_scale, RopeRows(cos, sin), keys, cand, k)
+    [(got, plan)] = run_isolated(pypto_cases.indexer_direct, [(*args, 0, 0)])
+    assert plan[:2] == (4, 4096)                       # the production tiling, not the single pass
+    assert all(_distinct_at_k(s, k) for s in scores)   # the k-th score is not tied: the sets are exact
+    for t in range(rows):
+        assert set(got[t].tolist()) == set(want[t].tolist()), t
