@@ -12,6 +12,7 @@ import pytest
 
 from dspark_abi import BatchBuilder, BlockAllocator, PackedBatch, PaddingPolicy
 from dspark_abi.allocator import pool_blocks_for
+from dspark_abi.batch import StepArrays
 from dspark_abi.persistent import PersistentStep
 from dspark_abi.presets import TINY
 
@@ -69,8 +70,14 @@ def test_positional_construction_still_builds_both_forms():
 
 
 def test_shared_fields_have_one_declaration():
-    """The fields both forms share are declared once: the same attrs field objects' definitions, inherited."""
-    shared = ("config", "policy", "pool_blocks", "query_start_loc", "positions")
+    """The leading fields both forms share and their request record are declared once (StepArrays), inherited by
+    both; so are the geometry and row ownership the kernels read (one formula)."""
+    shared = ("config", "policy", "pool_blocks", "query_start_loc", "positions", "requests")
+    assert tuple(f.name for f in attrs.fields(StepArrays)) == shared
     for name in shared:
         a, b = getattr(attrs.fields(PackedBatch), name), getattr(attrs.fields(PersistentStep), name)
         assert a.inherited and b.inherited, name
+    for name in ("tp_size", "padded_rows", "num_requests", "num_tokens", "local_rows", "row_request"):
+        assert name not in vars(PackedBatch) and name not in vars(PersistentStep), name
+    batch, step = _both()
+    np.testing.assert_array_equal(step.row_request, batch.row_request)
