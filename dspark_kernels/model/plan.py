@@ -150,13 +150,18 @@ class PersistentRows:
     and ``PersistentRows(step)`` return ``step`` itself, with a DeprecationWarning."""
 
     def __new__(cls, step: PersistentStep, row_request: np.ndarray | None = None) -> PersistentStep:  # type: ignore[misc]
-        return cls.of(step)
+        return _persistent_rows_deprecated(step)
 
     @classmethod
     def of(cls, step: PersistentStep) -> PersistentStep:
-        warnings.warn("dspark_kernels.model.plan.PersistentRows is deprecated: a PersistentStep is its own StepRows, "
-                      "pass the step", DeprecationWarning, stacklevel=2)
-        return step
+        return _persistent_rows_deprecated(step)
+
+
+def _persistent_rows_deprecated(step: PersistentStep) -> PersistentStep:
+    """``step``, warning at the caller of :class:`PersistentRows` (two frames up)."""
+    warnings.warn("dspark_kernels.model.plan.PersistentRows is deprecated: a PersistentStep is its own StepRows, "
+                  "pass the step", DeprecationWarning, stacklevel=3)
+    return step
 
 
 def _table_issues(batch: StepRows, tables: Mapping[str, np.ndarray] | None,
