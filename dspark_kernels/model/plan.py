@@ -43,6 +43,7 @@ to its kernel processes).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -53,7 +54,7 @@ from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch, PaddingPolicy,
 from dspark_abi.batch import SlotMappings
 from dspark_abi.config import LayerKind
 from dspark_abi.layout import POOL_NAMES, physical_rows, visible_entries
-from dspark_abi.persistent import PersistentStep, PersistentTables, _current
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_abi.requests import BatchRequests
 from dspark_kernels.model.geometry import (
     INDEX_RATIO,
@@ -100,11 +101,12 @@ def visible_entry_rows(visible: np.ndarray, table_row: np.ndarray, table: np.nda
 
 class StepRows(Protocol):
     """What the kernels read of a step besides its block tables, in either form: a full-form
-    :class:`~dspark_abi.PackedBatch` satisfies it, a :class:`~dspark_abi.persistent.PersistentStep` through
-    :class:`PersistentRows`. Every array is the full form's (spec 4.1): query_start_loc [R+1] int32, positions
-    [P] int32, the seven [P] int64 slot mappings, token_ids [P] int64 | None, logit_rows [M] int32 | None,
-    request_ids [R] int64, verify_widths [R] int32 | None, logit_mode [R] int8 | None;
-    ``row_request`` [P] int32 (-1 on padding rows); ``requests`` the per-request record."""
+    :class:`~dspark_abi.PackedBatch` and a :class:`~dspark_abi.persistent.PersistentStep` both satisfy it (their
+    geometry and ``row_request`` come from one base, :class:`~dspark_abi.batch.StepArrays`). Every array is the
+    full form's (spec 4.1): query_start_loc [R+1] int32, positions [P] int32, the seven [P] int64 slot mappings,
+    token_ids [P] int64 | None, logit_rows [M] int32 | None, request_ids [R] int64, verify_widths [R] int32 | None,
+    logit_mode [R] int8 | None; ``row_request`` [P] int32 (-1 on padding rows); ``requests`` the per-request
+    record."""
 
     @property
     def config(self) -> ModelConfig: ...
@@ -142,83 +144,24 @@ class StepRows(Protocol):
     def row_request(self) -> np.ndarray: ...
 
 
-@attrs.frozen(eq=False)
 class PersistentRows:
-    """The :class:`StepRows` of a persistent step: its own arrays and request record (shared, never copied) and the
-    row ownership ``row_request`` [P] int32 its record derives; no block table (the kernels read the persistent
-    tables). Build with :meth:`of`."""
+    """Deprecated since 1.3 (removed in the next minor version): a :class:`~dspark_abi.persistent.PersistentStep`
+    is its own :class:`StepRows` (``row_request``, ``tp_size``, ``padded_rows``, ...), so ``PersistentRows.of(step)``
+    and ``PersistentRows(step)`` return ``step`` itself, with a DeprecationWarning."""
 
-    step: PersistentStep
-    row_request: np.ndarray
+    def __new__(cls, step: PersistentStep, row_request: np.ndarray | None = None) -> PersistentStep:  # type: ignore[misc]
+        return _persistent_rows_deprecated(step)
 
     @classmethod
-    def of(cls, step: PersistentStep) -> PersistentRows:
-        return cls(step=step, row_request=step.requests.row_request(len(step.positions)))
+    def of(cls, step: PersistentStep) -> PersistentStep:
+        return _persistent_rows_deprecated(step)
 
-    @property
-    def config(self) -> ModelConfig:
-        return self.step.config
 
-    @property
-    def policy(self) -> PaddingPolicy:
-        return self.step.policy
-
-    @property
-    def pool_blocks(self) -> PoolBlocks:
-        return self.step.pool_blocks
-
-    @property
-    def query_start_loc(self) -> np.ndarray:
-        return self.step.query_start_loc
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.step.positions
-
-    @property
-    def slots(self) -> SlotMappings:
-        return self.step.slots
-
-    @property
-    def requests(self) -> BatchRequests:
-        return self.step.requests
-
-    @property
-    def token_ids(self) -> np.ndarray | None:
-        return self.step.token_ids
-
-    @property
-    def logit_rows(self) -> np.ndarray | None:
-        return self.step.logit_rows
-
-    @property
-    def request_ids(self) -> np.ndarray:
-        return self.step.request_ids
-
-    @property
-    def verify_widths(self) -> np.ndarray | None:
-        return self.step.verify_widths
-
-    @property
-    def logit_mode(self) -> np.ndarray | None:
-        return self.step.logit_mode
-
-    @property
-    def num_requests(self) -> int:
-        return self.step.num_requests
-
-    @property
-    def num_tokens(self) -> int:
-        return self.step.num_tokens
-
-    @property
-    def padded_rows(self) -> int:
-        """P, the group rows."""
-        return len(self.step.positions)
-
-    @property
-    def tp_size(self) -> int:
-        return self.step.policy.tp_size
+def _persistent_rows_deprecated(step: PersistentStep) -> PersistentStep:
+    """``step``, warning at the caller of :class:`PersistentRows` (two frames up)."""
+    warnings.warn("dspark_kernels.model.plan.PersistentRows is deprecated: a PersistentStep is its own StepRows, "
+                  "pass the step", DeprecationWarning, stacklevel=3)
+    return step
 
 
 def _table_issues(batch: StepRows, tables: Mapping[str, np.ndarray] | None,
@@ -419,7 +362,7 @@ class BatchPlan:
         """The plan of a persistent step (spec 5.9): the kernels read ``tables`` (the persistent tables, every slot,
         read-only views) at ``table_row = table_slots[request]``. ``tables`` must hold the step's delta, as a device
         mirror does after ``tables.apply(step)`` (or the allocator's own tables after ``commit``). The per-row arrays
-        and the request record are the step's own (:class:`PersistentRows`); no full form is made.
+        and the request record are the step's own (the step is the plan's ``batch``); no full form is made.
         Raises :class:`ABIError` as :meth:`build` and as :meth:`PlanSource.of` (``tables.stale_slot``, ...)."""
         return PlanSource.of(step, tables).plan(rank=rank, precision=precision)
 
@@ -485,11 +428,11 @@ class PlanSource:
     :class:`~dspark_abi.persistent.PersistentStep` with its tables becomes the plans of the whole group and of
     each rank (the row split of a rank view is the batch policy's, the same for both forms).
 
-    batch: the :class:`StepRows` every stage reads (per-row arrays, slot mappings, request record): the batch
-    itself, or the step's :class:`PersistentRows` (never its full form: a persistent step's narrow tables are not
-    rebuilt per step). tables: pool -> the table the kernels read: [S, w_p] int32 (the persistent tables,
-    read-only views) or the batch's own [R, w]. request_table_row: [R] int32 row of ``tables`` each request reads
-    (the step's ``table_slots``) or None (row r for request r). step: the persistent step, or None for a batch."""
+    batch: the :class:`StepRows` every stage reads (per-row arrays, slot mappings, request record): the batch or the
+    persistent step itself (never a step's full form: its narrow tables are not rebuilt per step). tables: pool ->
+    the table the kernels read: [S, w_p] int32 (the persistent tables, read-only views) or the batch's own [R, w].
+    request_table_row: [R] int32 row of ``tables`` each request reads (the step's ``table_slots``) or None (row r
+    for request r). step: the persistent step, or None for a batch."""
 
     batch: StepRows
     tables: Mapping[str, np.ndarray]
@@ -513,12 +456,13 @@ class PlanSource:
                                       "tables", expected="PersistentTables holding the step's delta",
                                       actual=type(tables).__name__, fix="pass tables=allocator.persistent after "
                                       "commit, or a mirror after mirror.apply(step)")])
-            _current(batch, tables).raise_if_invalid()   # O(R): the step was built against these slots
+            issues = tables.current_issues(batch)        # O(R): the step was built against these slots
+            if issues:
+                raise ABIError(issues)
             issues = tables.holding_issues(batch)        # O(1): its delta, proven by apply or commit, is what they hold
             if issues:
                 raise ABIError(issues)
-            return cls(batch=PersistentRows.of(batch), tables=tables.tables, request_table_row=batch.table_slots,
-                       step=batch)
+            return cls(batch=batch, tables=tables.tables, request_table_row=batch.table_slots, step=batch)
         if tables is not None:
             raise ABIError([Issue("config.invalid", "tables", "persistent tables go with a PersistentStep; a "
                                   "PackedBatch carries its own tables", expected="None",
