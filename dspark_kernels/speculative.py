@@ -228,8 +228,8 @@ class StepRecord:
     """What one dispatch held and what it kept."""
 
     batch: StepRows
-    """The step's rows and request record: the full-form batch, or a persistent step's own rows
-    (:class:`~dspark_kernels.model.plan.PersistentRows`; no full form is made per step)."""
+    """The step's rows and request record: the full-form batch, or the persistent step itself (its own
+    :class:`~dspark_kernels.model.plan.StepRows`; no full form is made per step)."""
     prefill_ids: tuple[int, ...]
     """Requests that sent a prefill chunk."""
     verify: tuple[VerifyOutput, ...]
