@@ -39,10 +39,13 @@ Stages whose kernels do not exist yet are printed as ``missing`` and the sums na
 ``--round`` prints instead one DSpark draft + verify round (R = 64 requests, K = 5 drafts, contexts of 65,536
 positions): the drafter's table over R x B block rows (B = ``dspark_block_size``; its draft attention is the
 sparse-attention kernel over the W ring keys plus the B block keys), the verify step's table over R x (1 + K) rows
-that deep (indexer candidates and HCA entries follow the depth: 16,384 and 512 per row), then per part (three
-drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule, the verify
-step's once-per-call stages) and in total, per die. The Markov and confidence heads run on the host (no kernel) and
-are not priced, nor is the drafter's observe of the accepted rows.
+that deep (indexer candidates and HCA entries follow the depth: 16,384 and 512 per row; the indexer's top-512
+sorts them in four column tiles of 4,096 and merges the winners, ``dspark_kernels.pypto.indexer.sort_tiles``), then
+per part (three drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule,
+the verify step's once-per-call stages) and in total, per die, with the round's ms per die and the tokens/s per die
+it gives between every first draft rejected (R tokens per round) and every draft accepted (R x (1 + K)). The
+Markov and confidence heads run on the host (no kernel) and are not priced, nor is the drafter's observe of the
+accepted rows.
 
 Usage: python benchmarks/bench_pypto.py [--quick] [--rows P] [--layer-rows P] [--tp TP] [--requests R]
 [--stages ...] [--tables-only] [--round] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
@@ -790,9 +793,16 @@ def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRA
               f"{', '.join(miss) or '-'}")
     print(f"{'round total':<42} {total:>18,.0f} {total_roof:>16,.0f} {total / total_roof:>7.1f} "
           f"{total / CUBE_MHZ:>9.0f}  {', '.join(sorted(missing)) or '-'}")
+    tokens = (requests, requests * (1 + drafts))  # every first draft rejected .. every draft accepted
+    rates = [[n / (cycles / (CUBE_MHZ * 1e6)) / tp for n in tokens] for cycles in (total, total_roof)]
+    print(f"per round {total / CUBE_MHZ / 1e3:,.1f} ms per die: {tokens[0]} to {tokens[1]} tokens, "
+          f"{rates[0][0]:,.0f} to {rates[0][1]:,.0f} tokens/s per die (roofline {rates[1][0]:,.0f} to "
+          f"{rates[1][1]:,.0f})")
     print(f"not priced: {', '.join(ROUND_UNPRICED)}; all-gathers are not priced")
     return {"requests": requests, "drafts": drafts, "context": context, "block": b, "draft": draft,
-            "verify": verify, "parts": rows, "cycles": total, "roofline": total_roof, "missing": sorted(missing)}
+            "verify": verify, "parts": rows, "cycles": total, "roofline": total_roof, "missing": sorted(missing),
+            "ms_per_die": total / CUBE_MHZ / 1e3, "tokens_per_round": list(tokens),
+            "tokens_per_s_per_die": rates[0], "roofline_tokens_per_s_per_die": rates[1]}
 
 
 def _earlier_tables(path: Path, tp: int, rerun: set[str]) -> dict[tuple[int, int], dict[str, dict[str, Any]]]:

@@ -22,7 +22,7 @@ from dspark_abi.validation import Level, validate_arrays
 
 __version__ = "1.2.0"
 #: Version of the metadata ABI specification this library implements (spec/v1).
-ABI_VERSION = "1.3"
+ABI_VERSION = "1.4"
 
 
 def validate(batch_or_arrays: PackedBatch | Mapping[str, Any], config: ModelConfig | None = None,

@@ -193,6 +193,11 @@ CODES: dict[str, tuple[str, str]] = {
                     "written"),
     "drafter.unknown_request": ("the drafter has no committed rows of this request id",
                                 "observe the request's prompt (its target features) first; release it once"),
+    "drafter.unmapped": ("a row the drafter writes or reads lies outside the request's current ori pages in the "
+                         "persistent tables it is attached to, or no tables are attached",
+                         "attach the allocator's persistent tables (drafter.attach(allocator.persistent)) and observe "
+                         "a step's committed rows and draft before the request's next step is built; nothing was "
+                         "written"),
 }
 
 

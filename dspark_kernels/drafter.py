@@ -5,12 +5,15 @@ stages, B = ``dspark_block_size``, D hidden, T target layers, W window, r Markov
 
 1. **observe** (committed rows only, prefill and accepted verify rows): ``main_x = rms_norm(main_proj(features),
    main_norm)`` [n, D] from the target features [n, T*D]; each stage's window key of every row
-   (:func:`~dspark_kernels.reference.draft_attention.context_keys`) into that stage's ring at ``position % W``
-   (:class:`~dspark_kernels.model.drafter_cache.DrafterRings`). Nothing else runs: a prefill only seeds the rings.
+   (:func:`~dspark_kernels.reference.draft_attention.context_keys`) into that stage's layer of the window cache at
+   the row's ``ori`` slot (:class:`~dspark_kernels.model.drafter_cache.DrafterWindow`: the S stages are S more layers
+   of the target's ``ori`` pool, addressed through the persistent tables the drafter is attached to, spec 5.10).
+   Nothing else runs: a prefill only seeds the window.
 2. **draft**: the block ``[anchor, noise x (B - 1)]`` at positions ``a .. a + B - 1`` (a = last observed + 1),
    embedded with the target's embedding and copied to the hc streams; per stage a V4 block: hc_pre, attn_norm,
-   draft attention (:func:`~dspark_kernels.reference.draft_attention.block_attention`: the ring plus every block
-   row, non-causal), hc_post; hc_pre, ffn_norm, MoE, hc_post (the backend's stages, as a target layer).
+   draft attention (:func:`~dspark_kernels.reference.draft_attention.block_attention`: the window of the last W
+   committed rows, gathered from the ``ori`` slots in ring-slot order (slot ``q mod W``), plus every block row,
+   non-causal), hc_post; hc_pre, ffn_norm, MoE, hc_post (the backend's stages, as a target layer).
 3. **head**: ``h = hc_head(x_hc)`` with the last stage's own mixer, ``logits = rms_norm(h, norm) @ head.T`` (the
    target's LM head, fp32); then left to right over the B rows the Markov head adds ``markov_w2 @
    markov_w1[previous]`` (previous = the anchor for row 0, else the previous row's choice) and takes the argmax
@@ -30,14 +33,15 @@ sparse-attention kernel's window + entry-row form). These run on the host in num
 
 All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
 rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
-LM head is split by vocabulary (the target's TP, docs/architecture.md); keys, rings and hyper-connections are
-computed by every rank (replicated).
+LM head is split by vocabulary (the target's TP, docs/architecture.md); keys, the gathered window and
+hyper-connections are computed by every rank (replicated).
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -46,10 +50,11 @@ import attrs
 import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig
+from dspark_abi.persistent import PersistentTables
 from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.backends import REGISTRY, Backend, default_backend, resolve_backend
 from dspark_kernels.model.block_weights import HeadWeights
-from dspark_kernels.model.drafter_cache import DrafterRings
+from dspark_kernels.model.drafter_cache import DrafterWindow
 from dspark_kernels.model.drafter_weights import DrafterWeights, drafter_issues, stage_config
 from dspark_kernels.model.forward import TargetReduction
 from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
@@ -146,7 +151,7 @@ def _gather_rows(local: np.ndarray, rows: int, tp: int, all_gather: AllGather | 
 
 
 class DSparkDrafter:
-    """The DSpark drafter of a target model: weights, window rings and the stages that draft.
+    """The DSpark drafter of a target model: weights, the window cache and the stages that draft.
 
     config: the target's DSpark :class:`ModelConfig` (``dspark_*`` keys, ``n_mtp_layers``); weights: the
     :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
@@ -159,7 +164,11 @@ class DSparkDrafter:
     (``"single"``: one process computes the whole group; ``"threads"``: one thread per rank, all-gathers in
     memory; ``"distributed"``: this process is one rank of an initialised ``torch.distributed`` group of ``tp``
     processes, each holding its own drafter and calling the same methods with the same arguments, all-gathers
-    through the process group). Every rank holds replicated rings.
+    through the process group). Every rank holds a replicated window cache.
+
+    The window cache lives in the ``ori`` pool of persistent tables (:meth:`attach`, spec 5.10): attach the
+    allocator's tables (``drafter.attach(allocator.persistent)``) and observe a step's committed rows and draft
+    for a request before that request's next step is built (R75, ``drafter.unmapped``).
     """
 
     #: The target-feature reduction the drafter was trained on (DeepSeek's ``h.mean(dim=2)``): what
@@ -190,12 +199,20 @@ class DSparkDrafter:
                                   actual=type(self.backend).__qualname__)])
         module, function = DRAFT_ATTENTION[name]
         self._attention: Callable[..., np.ndarray] = getattr(importlib.import_module(module), function)
-        self.rings = DrafterRings(config)
+        self.window_cache = DrafterWindow(config)
         self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
         self.recipe: DrafterRecipe | None = None
         """How :meth:`random` / :meth:`from_checkpoint` made the drafter (a TP rank process builds its own from it);
         None when the weights were passed in."""
         self._backend_name = name
+
+    @property
+    def rings(self) -> DrafterWindow:
+        """Deprecated (1.4): the per-request rings became the window cache in the ``ori`` pool,
+        :attr:`window_cache`."""
+        warnings.warn("DSparkDrafter.rings is deprecated: the window lives in the ori pool; use "
+                      "DSparkDrafter.window_cache", DeprecationWarning, stacklevel=2)
+        return self.window_cache
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -229,16 +246,25 @@ class DSparkDrafter:
             return narrow(rms_norm(bf16_round(linear(a, w.main_proj)), w.main_norm, self.config.rms_norm_eps), prec)
         return rms_norm(linear(features, w.main_proj), w.main_norm, self.config.rms_norm_eps)
 
+    def attach(self, tables: PersistentTables) -> None:
+        """The persistent tables whose ``ori`` pool the drafter's window lives in (the allocator's
+        ``BlockAllocator.persistent``, or a rank's mirror of them; spec 5.10). The first attach allocates the window
+        cache [S, pool_blocks.ori * 32, head_dim] float32 (zeros); tables of another ``ori`` geometry, or of another
+        ``ori`` block count while requests are observed, are ``config.mismatch`` and nothing changes."""
+        self.window_cache.attach(tables)
+
     def observe(self, request_ids: Sequence[int], positions: Sequence[np.ndarray],
                 features: Sequence[np.ndarray]) -> None:
-        """Write committed rows into every stage's ring (one packed call for all requests).
+        """Write committed rows into every stage's layer of the window cache (one packed call for all requests).
 
         positions[i]: [n_i] int64 ascending contiguous absolute positions of request ``request_ids[i]``;
         features[i]: [n_i, T*D] float32 its target features (the mean of the hc streams after each target layer).
         A request's rows must continue its history (a new request starts at 0): else ``drafter.gap``; wrong shapes
-        ``array.shape``; nothing is written on any error.
+        ``array.shape``; rows the window keeps (each request's last W of the call) outside the request's current
+        ``ori`` run of the attached tables, or no tables attached: ``drafter.unmapped`` (observe a step's rows after
+        its commit, before the request's next step is built); nothing is written on any error.
         """
-        c = self.config
+        c, cache = self.config, self.window_cache
         pos = [np.asarray(p, dtype=np.int64).reshape(-1) for p in positions]
         feats = [np.asarray(f, dtype=np.float32) for f in features]
         width = len(c.dspark_target_layers) * c.hidden_size
@@ -256,31 +282,30 @@ class DSparkDrafter:
                              index=i, request=int(r), expected=f"< {c.max_position_embeddings}",
                              actual=int(p[-1])) for i, (r, p) in enumerate(zip(request_ids, pos, strict=True))
                        if p.size and p[-1] >= c.max_position_embeddings]
-            issues += self.rings.gap_issues(request_ids, pos)
+            issues += cache.gap_issues(request_ids, pos)
         if issues:
             raise ABIError(issues)
-        known = self.rings.slot_of
-        before = [int(self.rings.last[known[int(r)]]) if int(r) in known else -1 for r in request_ids]
+        before = [cache.last.get(int(r), -1) for r in request_ids]
         ends = np.array([int(p[-1]) if p.size else b for p, b in zip(pos, before, strict=True)], dtype=np.int64)
-        # only each request's last W rows can stay in the ring: the others are never computed
-        keep = [p >= e - self.rings.window + 1 for p, e in zip(pos, ends, strict=True)]
-        kept_pos = np.concatenate([p[k] for p, k in zip(pos, keep, strict=True)])
+        # only each request's last W rows can stay in the window: the others are never computed
+        keep = [p >= e - cache.window + 1 for p, e in zip(pos, ends, strict=True)]
+        kept_pos = np.concatenate([p[k] for p, k in zip(pos, keep, strict=True)]) if pos else np.zeros(0, np.int64)
+        owner = np.repeat(np.arange(len(pos)), [int(k.sum()) for k in keep])
+        rows = cache.rows_of(request_ids, owner, kept_pos, "positions", "would write")   # R75, before any work
         keys = []
-        if kept_pos.size:   # every stage's keys before anything is written: a failed read leaves the rings as they were
+        if kept_pos.size:   # every stage's keys before anything is written: a failed read leaves the cache as it was
             x = self.main_x(np.concatenate([f[k] for f, k in zip(feats, keep, strict=True)]))   # (N, D)
             cos, sin = rope_at(c, "swa", kept_pos, self.precision)
             for s in range(c.n_mtp_layers):
                 w = self._prepared.get(self.weights.stage(s).attn, self.precision)
                 keys.append(context_keys(x, w, cos, sin, c.rms_norm_eps, self.precision))     # (N, hd)
-        slots = self.rings.admit(request_ids)
-        row_slots = np.repeat(slots, [int(k.sum()) for k in keep])
         for s, stage_keys in enumerate(keys):
-            self.rings.write(s, row_slots, kept_pos, stage_keys)
-        self.rings.advance(slots, ends)
+            cache.write(s, rows, stage_keys)
+        cache.advance(request_ids, ends)
 
     def release(self, request_ids: Sequence[int]) -> None:
         """Forget requests (``drafter.unknown_request`` for an id never observed; nothing changes then)."""
-        self.rings.release(request_ids)
+        self.window_cache.release(request_ids)
 
     # ------------------------------------------------------------------ draft
     def draft(self, request_ids: Sequence[int], anchors: np.ndarray, anchor_positions: np.ndarray) -> DraftOutput:
@@ -288,17 +313,18 @@ class DSparkDrafter:
 
         anchors: [R] int64, the token after each request's last observed row; anchor_positions: [R] int64, that
         row's position + 1. Raises ``drafter.unknown_request`` / ``drafter.gap`` (an anchor position that is not
-        last observed + 1) / ``token_ids.range``; nothing changes (draft never writes the rings).
+        last observed + 1) / ``token_ids.range`` / ``drafter.unmapped`` (a window row outside the request's current
+        ``ori`` run: draft before the request's next step is built); nothing changes (draft never writes the cache).
         """
-        c, b = self.config, self.config.dspark_block_size
+        c, b, cache = self.config, self.config.dspark_block_size, self.window_cache
         anchors = np.asarray(anchors, dtype=np.int64).reshape(-1)
         at = np.asarray(anchor_positions, dtype=np.int64).reshape(-1)
-        slots = self.rings.slots(request_ids)
+        last = cache.check_known(request_ids)
         issues = []
         if anchors.shape != (len(request_ids),) or at.shape != anchors.shape:
             raise ABIError([Issue("array.shape", "anchors", "one anchor and one anchor position per request",
                                   expected=[len(request_ids)], actual=[list(anchors.shape), list(at.shape)])])
-        expected = self.rings.last[slots] + 1
+        expected = last + 1
         ids = [int(r) for r in request_ids]
         issues += [Issue("drafter.gap", "anchor_positions", "the anchor must follow the last observed row", index=i,
                          request=ids[i], expected=int(expected[i]), actual=int(at[i]),
@@ -314,16 +340,17 @@ class DSparkDrafter:
             raise ABIError(issues)
         if anchors.size == 0:
             return DraftOutput(np.zeros((0, b), np.int64), np.zeros((0, b), np.float32))
+        window = cache.gather(*cache.window_rows(request_ids, at))      # (S, R, W, D): R75 checked first
         if self.tp == 1 or self.tp_mode == "single":
-            return self._draft_rank(slots, anchors, at, None, None)
+            return self._draft_rank(window, anchors, at, None, None)
         if self.tp_mode == "distributed":
-            return self._draft_rank(slots, anchors, at, *_process_group_rank(self.tp))
+            return self._draft_rank(window, anchors, at, *_process_group_rank(self.tp))
         group = ThreadGroup(self.tp)
         results: list[DraftOutput | BaseException | None] = [None] * self.tp
 
         def run(rank: int) -> None:
             try:
-                results[rank] = self._draft_rank(slots, anchors, at, rank, group.gatherer(rank))
+                results[rank] = self._draft_rank(window, anchors, at, rank, group.gatherer(rank))
             except BaseException as exc:
                 results[rank] = exc
                 group.abort()
@@ -341,9 +368,11 @@ class DSparkDrafter:
             raise RuntimeError("a TP rank returned no draft")
         return first
 
-    def _draft_rank(self, slots: np.ndarray, anchors: np.ndarray, at: np.ndarray, rank: int | None,
+    def _draft_rank(self, window: np.ndarray, anchors: np.ndarray, at: np.ndarray, rank: int | None,
                     all_gather: AllGather | None) -> DraftOutput:
-        """One rank's view of a draft (rank None: the whole group); every rank returns the same output."""
+        """One rank's view of a draft (rank None: the whole group); every rank returns the same output. window:
+        [S, R, W, D] float32 each stage's window keys of every request in ring-slot order
+        (:meth:`DrafterWindow.gather`)."""
         c, sc, prec, st = self.config, self.stage_config, self.precision, self.backend
         r, b = anchors.size, c.dspark_block_size
         tp = 1 if rank is None else self.tp
@@ -353,14 +382,14 @@ class DSparkDrafter:
         positions = (at[:, None] + np.arange(b)[None, :]).reshape(-1)                         # (R*B,)
         cos, sin = rope_at(c, "swa", positions, prec)
         x_hc = np.repeat(self.target.embed_rows(ids.reshape(-1))[:, None, :], c.hc_mult, axis=1)  # (R*B, hc, D)
-        visible = np.minimum(self.rings.window, at)
+        visible = np.minimum(self.window_cache.window, at)
         for s in range(c.n_mtp_layers):
             lw = self.weights.stage(s)
             w = self._prepared.get(lw.attn, prec)
             pre = st.hc_pre(x_hc, lw.hc_attn, sc, precision=prec, norm=lw.attn_norm)
             if pre.x_normed is None:
                 raise ValueError("the backend's hc_pre returned no x_normed although it was given the norm")
-            attn = self._attention(pre.x_normed, self.rings.rings[s, slots], visible, w, cos, sin,
+            attn = self._attention(pre.x_normed, window[s], visible, w, cos, sin,
                                    heads=c.num_attention_heads, eps=c.rms_norm_eps, scale=c.softmax_scale,
                                    precision=prec, rows=rows)
             x_hc = st.hc_post(_gather_rows(attn, r * b, tp, all_gather), x_hc, pre.post, pre.comb, precision=prec)

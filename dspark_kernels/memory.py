@@ -16,8 +16,8 @@
 
 :func:`estimate_drafter` does the same for the DSpark drafter beside a target (:mod:`dspark_kernels.drafter`): its
 stages' weights (kept or streamed like the target's layers; the embedding and LM head are the target's and counted
-there), its own tensors (``main_proj``, Markov and confidence heads) and its window rings
-(:func:`drafter_ring_bytes`), which play the part of the caches.
+there), its own tensors (``main_proj``, Markov and confidence heads) and its window cache
+(:func:`drafter_window_bytes`: S more layers of the target's ``ori`` pool), which plays the part of the caches.
 
 :func:`available_bytes` reads ``MemAvailable`` from ``/proc/meminfo`` (or ``os.sysconf`` elsewhere), capped by a
 cgroup memory limit when one is set.
@@ -26,6 +26,7 @@ cgroup memory limit when one is set.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import attrs
 import numpy as np
 
 from dspark_abi import PoolBlocks
+from dspark_abi.allocator import pool_blocks_for
 from dspark_abi.config import ModelConfig
 from dspark_kernels.model.caches import POOLS_BY_KIND
 from dspark_kernels.model.checkpoint_format import QuantFormat
@@ -217,18 +219,33 @@ def _cgroup_headroom() -> int | None:
     return None
 
 
+def drafter_window_bytes(config: ModelConfig, pool_blocks: Mapping[str, int] | PoolBlocks) -> int:
+    """Bytes of the drafter's window cache (:class:`~dspark_kernels.model.drafter_cache.DrafterWindow`, spec 5.10):
+    ``n_mtp_layers`` more layers of the ``ori`` pool, one float32 row of ``head_dim`` per ``ori`` row
+    (``pool_blocks.ori * 32`` rows), whatever the number of requests."""
+    blocks = pool_blocks.ori if isinstance(pool_blocks, PoolBlocks) else pool_blocks["ori"]
+    rows = int(blocks) * config.layout.pools["ori"].page_size
+    return config.n_mtp_layers * rows * config.head_dim * 4
+
+
 def drafter_ring_bytes(config: ModelConfig, requests: int) -> int:
-    """Bytes of the drafter's window rings for ``requests`` requests (:class:`~dspark_kernels.model.drafter_cache.
-    DrafterRings`): ``n_mtp_layers`` rings of ``sliding_window`` float32 rows of ``head_dim`` per request, and one
-    int64 last position per request."""
+    """Deprecated (the drafter's per-request rings became the ori-backed window cache, 1.4): what the per-request
+    rings took, ``requests * (n_mtp_layers * sliding_window * head_dim * 4 + 8)``; use
+    :func:`drafter_window_bytes`."""
+    warnings.warn("drafter_ring_bytes is deprecated: the drafter's window lives in the ori pool; use "
+                  "drafter_window_bytes(config, pool_blocks)", DeprecationWarning, stacklevel=2)
     return requests * (config.n_mtp_layers * config.sliding_window * config.head_dim * 4 + 8)
 
 
-def estimate_drafter(config: ModelConfig, *, requests: int, streaming: bool) -> MemoryEstimate:
+def estimate_drafter(config: ModelConfig, *, requests: int, streaming: bool,
+                     pool_blocks: Mapping[str, int] | PoolBlocks | None = None) -> MemoryEstimate:
     """Memory of the DSpark drafter of a DSpark ``config`` drafting for ``requests`` requests at once (blocks of
     ``dspark_block_size`` rows), beside the target (whose embedding and LM head it shares: not counted here).
 
     streaming: stages read when they run, one routed expert at a time (a checkpoint), else every stage kept.
+    pool_blocks: the target's pools, whose ``ori`` pool the window cache extends (:func:`drafter_window_bytes`);
+    default the pools that hold ``requests`` requests of a full ``ori`` ring each
+    (:func:`~dspark_abi.allocator.pool_blocks_for` at ``sliding_window`` positions).
     Raises :class:`~dspark_abi.ABIError` (``drafter.config``) for a config without a drafter.
     """
     from dspark_kernels.model.drafter_weights import extra_formats, stage_config  # the drafter's own home
@@ -244,5 +261,7 @@ def estimate_drafter(config: ModelConfig, *, requests: int, streaming: bool) -> 
     else:
         resident, routed = sum(layers), sum(experts)
     rows = requests * config.dspark_block_size
-    return MemoryEstimate(weights=own + head + resident, caches=drafter_ring_bytes(config, requests),
+    if pool_blocks is None:
+        pool_blocks = pool_blocks_for(config, [config.sliding_window] * requests, slack=0)
+    return MemoryEstimate(weights=own + head + resident, caches=drafter_window_bytes(config, pool_blocks),
                           activations=activation_bytes(stages, rows, rows), routed_experts=routed)

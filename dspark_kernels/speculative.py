@@ -14,9 +14,11 @@ Two kinds of drafter plug in. A :class:`Drafter` proposes drafts from the token 
 test and demo ones: :class:`ReplayDrafter` (replays a known token stream: always right), :class:`RandomDrafter`
 (seeded uniform ids) and :class:`FixedHitsDrafter` (right on exactly the first ``hits`` drafts of each block). A
 :class:`ConditionedDrafter` (the DSpark drafter, ``dspark_kernels.drafter.DSparkDrafter``) conditions on the
-target: after every commit the loop hands it the target features of the rows just committed (every row of a
+target: it is attached to the allocator's persistent tables (its window cache lives in their ``ori`` pool, spec
+5.10), after every commit the loop hands it the target features of the rows just committed (every row of a
 prefill chunk, the accepted rows of a verify request; DeepSeek's mean reduction unless the caller explicitly asks
-for ``hc_head``), before each verify step it drafts a block per request, and a finished request is released. The
+for ``hc_head``), before each verify step is built it drafts a block per request, and a finished request is
+released. The
 verify width is fixed (``K``) or adaptive from the drafter's confidence head (:func:`draft_widths`).
 :func:`check_deployment` checks a deployment's choices once, before the first step.
 """
@@ -40,7 +42,7 @@ from dspark_kernels.model.accept import Acceptance, greedy_matrix
 from dspark_kernels.model.backends import Backend, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
-from dspark_kernels.model.plan import PersistentRows, PlanSource, StepRows
+from dspark_kernels.model.plan import PlanSource, StepRows
 from dspark_kernels.model.weights import ModelWeights
 
 __all__ = [
@@ -113,8 +115,13 @@ class ConditionedDrafter(Protocol):
     features of those rows (the mean of each target layer's output hc streams unless the loop was told
     otherwise). draft(request_ids, anchors [R] int64, anchor_positions [R] int64): a block of drafts after each
     request's anchor (the last generated token, not yet committed, at its anchor position). release(request_ids):
-    the requests are finished; the drafter drops their state.
+    the requests are finished; the drafter drops their state. attach(tables): the persistent tables of the
+    allocator the steps are built on (``BlockAllocator.persistent``), called before the first observe: the DSpark
+    drafter's window lives in their ``ori`` pool (spec 5.10), so the loop observes a step's committed rows and
+    drafts for a request before that request's next step is built.
     """
+
+    def attach(self, tables: PersistentTables) -> None: ...
 
     def observe(self, request_ids: Sequence[int], positions: Sequence[np.ndarray],
                 features: Sequence[np.ndarray]) -> None: ...
@@ -221,8 +228,8 @@ class StepRecord:
     """What one dispatch held and what it kept."""
 
     batch: StepRows
-    """The step's rows and request record: the full-form batch, or a persistent step's own rows
-    (:class:`~dspark_kernels.model.plan.PersistentRows`; no full form is made per step)."""
+    """The step's rows and request record: the full-form batch, or the persistent step itself (its own
+    :class:`~dspark_kernels.model.plan.StepRows`; no full form is made per step)."""
     prefill_ids: tuple[int, ...]
     """Requests that sent a prefill chunk."""
     verify: tuple[VerifyOutput, ...]
@@ -417,7 +424,7 @@ class _Runner:
                                       precision=self.precision)
             if self.drafter is not None:
                 self.group.attach_drafter(*self.drafter)
-        batch = PersistentRows.of(step)
+        batch = step
         ranks = self.group.run(tp.DistributedJob(step, tokens, self.weights, self.caches, precision=self.precision,
                                                  backend=self.backend), self.allocator.persistent.slots)
         self._take_caches(ranks[0].caches)
@@ -617,7 +624,10 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
       are noise: :data:`BLOCK_SIZE_EVIDENCE`), ``min_drafts`` within ``[0, K]`` and a finite ``adaptive``
       threshold (``config.invalid``); an adaptive width needs a conditioned drafter (its confidence head);
     * the drafter's ``main_proj`` (``weights.main_proj``, when the drafter has it) of shape [D, T * D]
-      (``array.shape``); its window ring (``rings.window``, when it has rings) at least ``sliding_window`` rows;
+      (``array.shape``); its window (``window_cache.window``, when it has a window cache) the ``ori`` pool's
+      ``sliding_window`` (``config.invalid``): the window lives in the target's ``ori`` pool, which keeps the last
+      ``sliding_window`` positions of each request mapped between its steps (spec 5.10), so a wider window would
+      read unmapped rows and a narrower one would not be the window the drafter was trained on;
     * with ``checkpoint`` (a folder): its drafter tensors present, of the right shapes and stored formats
       (:func:`checkpoint_drafter_issues`);
     * the noise token a vocabulary id (``token_ids.range``);
@@ -669,11 +679,12 @@ def check_deployment(config: ModelConfig, weights: ModelWeights, drafter: Drafte
         issues.append(Issue("array.shape", "mtp.0.main_proj.weight", "the drafter's main_proj does not take the "
                             "target's features", expected=list(want), actual=list(main_proj.shape),
                             fix="load the drafter of the target's checkpoint"))
-    window = getattr(getattr(drafter, "rings", None), "window", None)
-    if conditioned and isinstance(window, int) and window < config.sliding_window:
-        issues.append(Issue("config.invalid", "rings.window", "the drafter's window ring holds fewer rows than the "
-                            "window its attention reads", expected=f">= {config.sliding_window}", actual=window,
-                            fix="size the drafter's window ring to sliding_window rows per draft stage"))
+    window = getattr(getattr(drafter, "window_cache", None), "window", None)
+    if conditioned and isinstance(window, int) and window != config.sliding_window:
+        issues.append(Issue("config.invalid", "window_cache.window", "the drafter's window is not the window the "
+                            "target's ori pool keeps (its sliding_window): the window lives in that pool",
+                            expected=config.sliding_window, actual=window,
+                            fix="build the drafter from the target's config (its sliding_window)"))
     if checkpoint is not None:
         issues += checkpoint_drafter_issues(checkpoint, config)
     noise = config.dspark_noise_token_id
@@ -719,11 +730,12 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     the full table form keep the drafter in this process, fed the features each step returns.
 
     drafter: a :class:`Drafter` (``propose`` from the token contexts) or a :class:`ConditionedDrafter` (the
-    DSpark drafter): after every commit it observes the target features of the committed rows of every request
+    DSpark drafter): it is attached to the allocator's persistent tables first (its window lives in their ``ori``
+    pool, spec 5.10); after every commit it observes the target features of the committed rows of every request
     that will draft again (all rows of a prefill chunk, the anchor and accepted drafts of a verify request), in
-    the ``features`` reduction (``"mean"``; ``"hc_head"`` only with ``allow_hc_head=True``); before each step it
-    drafts a block per verifying request (one packed call); finished requests are released (also when the loop
-    fails). adaptive: verify each request's drafts while their raw confidence logit is >= this threshold, at
+    the ``features`` reduction (``"mean"``; ``"hc_head"`` only with ``allow_hc_head=True``); before each step is
+    built it drafts a block per verifying request (one packed call); finished requests are released (also when
+    the loop fails). adaptive: verify each request's drafts while their raw confidence logit is >= this threshold, at
     least ``min_drafts`` and at most ``K`` (:func:`draft_widths`); None: always ``K`` (fewer near the ends).
     :func:`check_deployment` runs first: any issue raises :class:`ABIError` before anything is computed.
     cached / allocator / caches: requests whose first ``cached[i]`` tokens are already in ``caches`` (the
@@ -751,6 +763,8 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                             tp_mode, backend, precision, slack, tables)
     conditioned = drafter if isinstance(drafter, ConditionedDrafter) else None
     conditioned = _drafter_in_ranks(runner, conditioned, features)
+    if conditioned is not None:     # its window lives in the allocator's ori pool: current after every commit
+        conditioned.attach(alloc.persistent)
     builder = BatchBuilder(cfg, PaddingPolicy(tp_size=tp), alloc)
     generated: list[list[int]] = [[] for _ in tokens]
     fed = [0] * len(tokens)                       # prompt tokens sent so far (done[i] counts cached positions)

@@ -60,7 +60,7 @@ def hostile_files(arrays: Mapping[str, np.ndarray], *, config: ModelConfig, poli
                            "The header names 'positions' twice."),
         "overlapping_offsets": (pack_header(overlap) + data, unreadable, "Tensor data ranges overlap."),
         "unknown_major": (craft(format_version="2.0"), version, "format_version 2.0."),
-        "newer_minor": (craft(format_version="1.4"), version, "format_version 1.4 (newer than this reader)."),
+        "newer_minor": (craft(format_version="1.5"), version, "format_version 1.5 (newer than this reader)."),
         "other_format": (craft(format="other.format"), version, "Manifest of another file format."),
         "no_manifest": (encode_raw(stored, {"format": "pt"}), manifest, "__metadata__ without the manifest key."),
         "bad_manifest": (craft(config__head_dim=None), manifest, "Manifest config lacks head_dim."),

@@ -25,9 +25,9 @@ from dspark_abi.policy import PaddingPolicy
 #: Value of the manifest's ``format`` key.
 FORMAT_NAME: Final = "dspark.packed_batch"
 #: Format version this library writes (the ABI spec version, spec/v1).
-FORMAT_VERSION: Final = "1.3"
+FORMAT_VERSION: Final = "1.4"
 #: Format versions this library reads: every minor of major 1 up to the one it implements (oldest first).
-SUPPORTED_VERSIONS: tuple[str, ...] = ("1.0", "1.1", "1.2", "1.3")
+SUPPORTED_VERSIONS: tuple[str, ...] = ("1.0", "1.1", "1.2", "1.3", "1.4")
 #: ``__metadata__`` key holding the manifest JSON string.
 MANIFEST_KEY = "dspark.manifest"
 #: Name prefix of optional tensors that ride along (hidden states, caches, expected outputs).
@@ -104,12 +104,12 @@ class Expectation(StrictModel):
 
 
 class FixtureManifest(StrictModel):
-    """Manifest of a ``dspark.packed_batch`` fixture file (format version 1.3; 1.0 to 1.2 manifests read the same)."""
+    """Manifest of a ``dspark.packed_batch`` fixture file (format version 1.4; 1.0 to 1.3 manifests read the same)."""
 
     format: Literal["dspark.packed_batch"]
     """Format name; readers reject any other value (``fixture.version``)."""
-    format_version: Literal["1.0", "1.1", "1.2", "1.3"]
-    """Format (= ABI spec) version, ``major.minor``: writers write 1.3; readers reject versions they do not
+    format_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4"]
+    """Format (= ABI spec) version, ``major.minor``: writers write 1.4; readers reject versions they do not
     implement (another major, a newer minor)."""
     name: str = ""
     """Identifier of the fixture (conformance vectors: path below the vectors directory, without suffix)."""

@@ -300,13 +300,16 @@ class _RankDrafter:
                              [feats[row: row + n] for row, n in zip(rows, counts.tolist(), strict=True)])
 
 
-def _drafter_message(kind: str, payload: Any, held: _RankDrafter | None, tp_size: int, rank: int
-                     ) -> tuple[Any, _RankDrafter | None]:
+def _drafter_message(kind: str, payload: Any, held: _RankDrafter | None, mirror: PersistentTables, tp_size: int,
+                     rank: int) -> tuple[Any, _RankDrafter | None]:
     """(reply value, the rank's drafter afterwards) of one drafter message; raises :class:`ABIError` with nothing
-    changed (the drafter checks before it writes)."""
+    changed (the drafter checks before it writes). A new drafter's window lives in the ori pool of the rank's
+    mirror, which applies every step before its forward (so it equals the allocator's tables when the drafter
+    observes a step's committed rows and drafts before the next one)."""
     if kind == "drafter":
         recipe, weights, reduction = payload
         built = recipe.build(weights, tp=tp_size, tp_mode="distributed")
+        built.attach(mirror)
         return None, _RankDrafter(built, reduction)
     if held is None:
         raise ABIError([Issue("config.invalid", "drafter", "no drafter runs in this TP group", expected="a drafter",
@@ -344,7 +347,7 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
                 return
             if kind in _DRAFTER_MESSAGES:
                 try:
-                    value, held = _drafter_message(kind, payload, held, tp_size, rank)
+                    value, held = _drafter_message(kind, payload, held, mirror, tp_size, rank)
                     out.put((kind, rank, value))
                 except ABIError as exc:   # checked before anything was written: the rank keeps serving
                     out.put(("refused", rank, exc))

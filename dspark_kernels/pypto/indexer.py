@@ -28,6 +28,17 @@ as ``sum_h (q_dq[h] * w[h]) * relu(<q_i8[h], idx[c]>)`` (q_dq > 0; the products 
 over the candidates with pypto's ``topk`` (in rounds of <= 128 for k > 128). Ties may come out in any order (the
 reference takes the lower entry first); callers compare selections as sets with a tie tolerance.
 
+Top-k at any candidate count (:func:`_tiled_select`): pypto's sort holds one vector tile of scores and its sorted
+copies in the vector core's unified buffer, SORT_BYTES_PER_COLUMN bytes per column, next to the row's k selected
+columns, against UB_BYTES, so at most :func:`max_sort_columns` columns sort at once (9,728 for k = 512; 16,384
+candidates, a 65,536-deep request, need 327,680 B). Rows wider than S = SORT_TILE_COLUMNS (the cost model's
+choice within that bound) are scored in ``n = ceil(C / S)`` column tiles of equal width (:func:`sort_tiles`:
+16,384 candidates as 4 tiles of 4,096); each tile keeps its best ``kw = ceil(k / 32) * 32`` columns (values and
+fp32 column numbers), and the winners are merged by top-k over their concatenation, up to S // kw tiles per merge
+(8 for k = 512), as a tree until one remains. The k best of the row are among the tile winners (a column beaten
+by kw >= k others of its own tile is beaten by k overall), so the selection is the single pass's, up to the order
+of ties.
+
 Structure: the query side runs batched over [T*HI, dI] rows; then one ``pypto.loop`` iteration per
 ROW_BLOCK rows, each row's candidate keys gathered straight into L1 (``pypto.experimental.gather_in_l1``):
 one cube task for the block's dot products and one vector task per row for the head sum, scale, mask and
@@ -54,6 +65,17 @@ BF16 = ml_dtypes.bfloat16
 TOPK_MAX_K = 128
 #: pypto's sort needs tiles whose last axis is a multiple of 32 elements.
 SORT_ALIGN = 32
+#: Unified buffer of one A2/A3 vector core in bytes: ``ub_size`` of pypto 0.2.0's ``lib/configs/A2A3.ini``.
+UB_BYTES = 196_608
+#: Unified-buffer bytes pypto 0.2.0's sort (``BITSORT``) takes per fp32 column of its tile, from its pass log:
+#: ``OP BITSORT in/output total size [327680] exceeds MEM_UB size [196608]`` for a 16,384-column tile (the
+#: scores, their sorted copy with column numbers, and the merge buffer: 20 B per column).
+SORT_BYTES_PER_COLUMN = 20
+#: Widest sort tile the kernel uses (<= :func:`max_sort_columns`), chosen with pypto's cost model
+#: (benchmarks/bench_pypto.py ``--round``: FLASH, L = 96 rows, 16,384 candidates, k = 512): 2 tiles of 8,192
+#: 981,439 cycles, 3 x 5,472 907,176, 4 x 4,096 839,542, 5 x 3,296 958,802, 6 x 2,752 918,622, 8 x 2,048 853,409,
+#: 16 x 1,024 1,200,393.
+SORT_TILE_COLUMNS = 4096
 # Tiles and merging chosen with pypto's cost model (benchmarks/bench_pypto.py, FLASH, L = 128 rows, 1024
 # candidates; roofline 15.0k cycles). The model charges ~1.4k cycles per copy into a core's buffer whatever its
 # size, ~0.4k of AICPU time per dependency between tasks, and its AICPUs take 3-10k cycles from a task's end
@@ -110,11 +132,93 @@ def _select(score: Any, topk: int, rounds: int) -> tuple[Any, Any]:
     return pypto.concat(values, -1), pypto.concat(picked, -1)
 
 
+def max_sort_columns(topk: int) -> int:
+    """Widest column tile one row's top-k sorts in pypto 0.2.0: ``(UB_BYTES - 4 * k) / SORT_BYTES_PER_COLUMN``
+    rounded down to SORT_ALIGN; the 4 * k bytes are the row's k int32 columns being assembled into ``top``, resident
+    in the buffer while the sort runs. 9,728 for k = 512: at L = 2 rows a single tile of 9,728 compiled, one of
+    9,760 did not (the scheduler's ``Spill all buffer failed`` on MEM_UB beside that 2,048-byte row), nor 9,824
+    (UB_BYTES / 20 rounded down: the sort alone fits)."""
+    return (UB_BYTES - 4 * topk) // SORT_BYTES_PER_COLUMN // SORT_ALIGN * SORT_ALIGN
+
+
+def _rounds_for(k: int, rounds: int) -> int:
+    """``rounds`` when it splits k into topk calls pypto accepts, else as few as k allows (ceil(k / 128))."""
+    return rounds if rounds and k % rounds == 0 and k // rounds <= TOPK_MAX_K else -(-k // TOPK_MAX_K)
+
+
+def tile_winners(topk: int) -> int:
+    """Columns kw each sort tile passes to the merge: k rounded up to SORT_ALIGN (the concatenated winners are
+    sorted again, so their width must stay a multiple of it)."""
+    return -(-topk // SORT_ALIGN) * SORT_ALIGN
+
+
+def sort_tiles(columns: int, topk: int, tile_columns: int = 0) -> tuple[int, int, int]:
+    """(tiles n, tile width W, merge fan-in) of the top-k over ``columns`` candidates.
+
+    The widest sort is ``S = tile_columns`` or SORT_TILE_COLUMNS (at least two tiles' winners 2 * kw, at most
+    :func:`max_sort_columns`) columns: one tile of every column when they fit (C rounded up to SORT_ALIGN), else
+    ``n = ceil(C / S)`` tiles of ``W = max(kw, ceil(C / n))`` rounded up to SORT_ALIGN (the host pads the
+    candidates to n * W with non-candidates); each merge sorts the winners of up to ``S // kw`` tiles (kw:
+    :func:`tile_winners`). A small ``tile_columns`` (a multiple of SORT_ALIGN from 2 * kw to max_sort_columns)
+    runs the tiled top-k and its merge tree on few candidates. ValueError for a tile_columns outside that range,
+    or a k too large to merge two tiles' winners when the candidates need more than one tile.
+    """
+    kw = tile_winners(topk)
+    widest_sort = max_sort_columns(topk)
+    if tile_columns and (tile_columns % SORT_ALIGN or not 2 * kw <= tile_columns <= widest_sort):
+        raise ValueError(f"tile_columns={tile_columns} (topk={topk}) must be a multiple of {SORT_ALIGN} between two "
+                         f"tiles' winners ({2 * kw}) and the widest sort ({widest_sort})")
+    widest = tile_columns or min(max(SORT_TILE_COLUMNS, 2 * kw), widest_sort)
+    columns = max(columns, topk)
+    n = -(-columns // widest)
+    if n > 1 and widest < 2 * kw:
+        raise ValueError(f"topk={topk}: {columns} candidates need several sort tiles, and two tiles' {kw} winners "
+                         f"exceed the widest sort ({widest_sort} columns)")
+    share = -(-columns // n)  # columns per tile before alignment
+    width = -(-share // SORT_ALIGN) * SORT_ALIGN
+    return n, max(width, kw) if n > 1 else width, widest // kw
+
+
+def _tiled_select(score: Any, topk: int, rounds: int, width: int, fan_in: int) -> tuple[Any, Any]:
+    """Top-k (values, fp32 columns) of score [1, n * W] in column tiles of W = ``width``, merged ``fan_in`` tiles'
+    winners at a time (module docstring; :func:`sort_tiles`), best first; one tile is the single pass of
+    :func:`_select`."""
+    columns = score.shape[1]
+    if columns == width:
+        values, picked = _select(score, topk, rounds)
+        return values, pypto.cast(picked, pypto.DT_FP32)
+    kw = tile_winners(topk)
+    values, ids = [], []
+    for lo in range(0, columns, width):
+        v, i = _select(pypto.view(score, [1, width], [0, lo]), kw, _rounds_for(kw, rounds))
+        values.append(v)
+        ids.append(pypto.add(pypto.cast(i, pypto.DT_FP32), float(lo)))  # exact: columns < 2**24
+    while len(values) > 1:
+        last = len(values) <= fan_in  # the final merge keeps k, the others kw
+        keep, keep_rounds = (topk, rounds) if last else (kw, _rounds_for(kw, rounds))
+        merged_v, merged_i = [], []
+        for g in range(0, len(values), fan_in):
+            group_v, group_i = values[g:g + fan_in], ids[g:g + fan_in]
+            if len(group_v) == 1:
+                merged_v += group_v
+                merged_i += group_i
+                continue
+            v, p = _select(pypto.concat(group_v, -1), keep, keep_rounds)
+            merged_v.append(v)
+            merged_i.append(pypto.gather(pypto.concat(group_i, -1), 1, p))
+        values, ids = merged_v, merged_i
+    return values[0], ids[0]
+
+
 @lru_cache(maxsize=16)
 def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, rope: int, columns: int,
-                   topk: int, pool_rows: int, weight_scale: float, rounds: int = 0) -> Any:
-    """The jit kernel for one geometry (module docstring); ``rounds``: see :func:`_select` (0 = as few as k allows)."""
+                   topk: int, pool_rows: int, weight_scale: float, rounds: int = 0, width: int = 0,
+                   fan_in: int = 2) -> Any:
+    """The jit kernel for one geometry (module docstring); ``rounds``: see :func:`_select` (0 = as few as k allows);
+    ``width``, ``fan_in``: the sort tiles' width W (columns a multiple of it; 0 = every column in one tile) and the
+    tiles merged per sort (:func:`sort_tiles`)."""
     rounds = rounds or -(-topk // TOPK_MAX_K)
+    width = width or columns
     block = math.gcd(rows, ROW_BLOCK)
     tm, tn = tile(rows, 128), tile(dim, 128)
     if tm == 64:  # an M tile of 64 here ends the process with SIGSEGV in pypto 0.2.0 (seen for 64 <= T < 128)
@@ -167,7 +271,7 @@ def indexer_kernel(rows: int, q_rank: int, hidden: int, heads: int, dim: int, ro
         head_w = pypto.mul(q_dq, head_w)                                                         # [T*HI, 1]
         for b in pypto.loop(rows // block):
             _rows_top(b, block, q_i8, head_w, (candidates, key_bias, idx, idx_scale, page_table), top,
-                      (d_cube, head_sum, topk, rounds))
+                      (d_cube, head_sum, topk, rounds, width, fan_in))
 
     return lightning_indexer
 
@@ -177,11 +281,12 @@ def _rows_top(b: Any, block: int, q_i8: Any, head_w: Any, keys_in: tuple[Any, ..
     """Scores and top-k of rows b*block .. b*block + block - 1 into ``top`` (traced, plain Python).
 
     ``keys_in``: the kernel's candidates, key_bias, idx, idx_scale and page_table; ``shapes``: the dot products'
-    cube tiles, the head-sum vector tile, k and the selection rounds. The loop reads nothing else the kernel
-    computes but q_i8 and head_w: every extra producer would be a dependency of each iteration.
+    cube tiles, the head-sum vector tile, k, the selection rounds, the sort tiles' width and merge fan-in. The loop
+    reads nothing else the kernel computes but q_i8 and head_w: every extra producer would be a dependency of each
+    iteration.
     """
     candidates, key_bias, idx, idx_scale, page_table = keys_in
-    d_cube, head_sum, topk, rounds = shapes
+    d_cube, head_sum, topk, rounds, width, fan_in = shapes
     rows, columns = candidates.shape
     heads, dim = q_i8.shape[0] // rows, q_i8.shape[1]
     pypto.set_pass_options(cube_nbuffer_setting={-1: CUBE_MERGE * block})  # the block's dots: one cube task
@@ -199,13 +304,13 @@ def _rows_top(b: Any, block: int, q_i8: Any, head_w: Any, keys_in: tuple[Any, ..
         pypto.set_vec_tile_shapes(*head_sum)
         relu = pypto.relu(pypto.cast(dots[r], pypto.DT_FP32))  # exact: |dot| <= 127 * 127 * dI < 2**24
         score = pypto.sum(pypto.mul(relu, pypto.view(head_w, [heads, 1], [t * heads, 0])), 0, keepdim=True)
-        pypto.set_vec_tile_shapes(1, columns)
+        pypto.set_vec_tile_shapes(1, width)
         key_scale = pypto.index_select(idx_scale, 0, pypto.view(candidates, [1, columns], [t, 0]))
         # a non-candidate: score * idx_scale[0] + MASKED_SCORE rounds to MASKED_SCORE (|score * scale| << 1e22)
         score = pypto.add(pypto.mul(score, key_scale), pypto.view(key_bias, [1, columns], [t, 0]))   # [1, C]
-        values, picked = _select(score, topk, rounds)
+        values, picked = _tiled_select(score, topk, rounds, width, fan_in)
         chosen = pypto.gt(values, MASKED_SCORE * 0.5)
-        pypto.assemble(pypto.cast(pypto.where(chosen, pypto.cast(picked, pypto.DT_FP32), -1.0), pypto.DT_INT32),
+        pypto.assemble(pypto.cast(pypto.where(chosen, picked, -1.0), pypto.DT_INT32),
                        [t, 0], top)
         pypto.set_pass_options(sg_set_scope=-1)  # a new scope per row: one vector task each
 
@@ -236,13 +341,15 @@ class IndexerWeights:
 
 
 def run_indexer(low_rank: tuple[np.ndarray, np.ndarray], x: np.ndarray, weights: IndexerWeights, rope: RopeRows,
-                keys: IndexKeyPools, candidates: np.ndarray, *, topk: int, rounds: int = 0) -> LaunchResult:
+                keys: IndexKeyPools, candidates: np.ndarray, *, topk: int, rounds: int = 0,
+                tile_columns: int = 0) -> LaunchResult:
     """Top-k entries [T, k] int32 (``values[-1]``) of T query rows.
 
     low_rank: the attention's low-rank query (qr_q [T, q] int8, qr_scale [T, 1] float32); x [T, X] (bf16
     values); rope: cos / sin [T, rd/2] at the rows' positions; keys: the idx pool [rows, dI] int8 and idx_scale
     [rows]; candidates [T, C] int physical idx rows (-1 = none); ``rounds`` of topk calls (k divisible by it;
-    0 = ceil(k / 128)).
+    0 = ceil(k / 128)); ``tile_columns``: the widest sort tile (0 = SORT_TILE_COLUMNS; smaller
+    to run the tiled top-k on few candidates), see :func:`sort_tiles`.
     """
     qr_q, qr_scale = low_rank
     cos, sin = rope.cos, rope.sin
@@ -252,14 +359,15 @@ def run_indexer(low_rank: tuple[np.ndarray, np.ndarray], x: np.ndarray, weights:
         raise ValueError(f"topk={topk} must be divisible by rounds={rounds}")
     rows, q_rank = qr_q.shape
     candidates = np.asarray(candidates, np.int32)
-    # topk needs at least k columns, the sort tiles a multiple of 32: pad with non-candidates
-    columns = max(topk, -(-candidates.shape[1] // SORT_ALIGN) * SORT_ALIGN)
+    # topk needs at least k columns, the sort tiles equal widths, multiples of 32: pad with non-candidates
+    tiles, width, fan_in = sort_tiles(candidates.shape[1], topk, tile_columns)
+    columns = tiles * width
     if candidates.shape[1] < columns:
         pad = np.full((rows, columns - candidates.shape[1]), -1, np.int32)
         candidates = np.concatenate([candidates, pad], axis=1)
     dim = hadamard.shape[0]
     k = indexer_kernel(rows, q_rank, x.shape[1], heads, dim, 2 * cos.shape[1], candidates.shape[1], topk,
-                       idx.shape[0], float(weights.weight_scale), rounds)
+                       idx.shape[0], float(weights.weight_scale), rounds, width, fan_in)
     per_head = [np.repeat(np.asarray(v, np.float32).reshape(rows, -1), heads, axis=0) for v in (qr_scale, cos, sin)]
     channel_scale = np.tile(np.asarray(weights.wq_b_scale, np.float32).reshape(heads, dim), (rows, 1))
     key_bias = np.where(candidates >= 0, np.float32(0), np.float32(MASKED_SCORE))

@@ -225,6 +225,8 @@ TESTED_ELSEWHERE = {
     "drafter.config": ("tests/model/test_drafter.py", "test_a_config_without_a_drafter_is_refused"),
     "drafter.gap": ("tests/model/test_drafter.py", "test_observe_gap_and_unknown_request_change_nothing"),
     "drafter.unknown_request": ("tests/model/test_drafter.py", "test_observe_gap_and_unknown_request_change_nothing"),
+    "drafter.unmapped": ("tests/model/test_drafter.py",
+                         "test_rows_outside_the_ori_run_are_unmapped_and_change_nothing"),
 }
 
 

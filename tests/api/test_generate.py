@@ -21,6 +21,7 @@ from tolerances import assert_close, order_atol
 
 from dspark_abi import ABIError, BlockAllocator, ModelConfig
 from dspark_abi.allocator import pool_blocks_for
+from dspark_abi.persistent import PersistentTables
 from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_kernels.drafter import DSparkDrafter
 from dspark_kernels.model.caches import ModelCaches
@@ -65,9 +66,16 @@ class Conditioned:
         self.features: dict[int, list[np.ndarray]] = {}
         self.released: list[int] = []
         self.calls: list[str] = []
+        self.tables: PersistentTables | None = None
+
+    def attach(self, tables) -> None:
+        self.calls.append("attach")
+        assert isinstance(tables, PersistentTables)
+        self.tables = tables
 
     def observe(self, request_ids, positions, features) -> None:
         self.calls.append("observe")
+        assert self.tables is not None, "observe before attach"
         assert len(request_ids) == len(positions) == len(features) and len(set(request_ids)) == len(request_ids)
         for r, p, f in zip(request_ids, positions, features, strict=True):
             assert r not in self.released, "observe after release"
@@ -111,6 +119,7 @@ def test_drafter_sees_exactly_the_committed_rows(weights, tp, mode):
     double = Conditioned(streams(reference), hits=1)
     got = generate(prompts(), weights, double, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK)
     assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
+    assert double.calls[0] == "attach" and double.tables is got.allocator.persistent
     assert any(s.mixed for s in got.steps)
     assert any(v.accepted < v.width for s in got.steps for v in s.verify)     # rejected rows were written
     assert sorted(double.released) == list(range(len(prompts())))
@@ -242,11 +251,16 @@ def test_a_config_without_target_layers_cannot_feed_a_drafter():
     assert ("config.invalid", "dspark_target_layers") in [(i.code, i.field) for i in issues]
 
 
-def test_a_narrow_window_ring_is_refused(weights):
+@pytest.mark.parametrize("window", [CFG.sliding_window - 1, CFG.sliding_window + 1])
+def test_a_window_other_than_the_ori_pools_is_refused(weights, window):
+    """The drafter's window lives in the target's ori pool, which keeps sliding_window positions mapped between a
+    request's steps: a narrower window is not the drafter's, a wider one would read rows ori has released."""
     double = Conditioned({})
-    double.rings = type("Rings", (), {"window": CFG.sliding_window - 1})()   # type: ignore[attr-defined]
+    double.window_cache = type("Window", (), {"window": window})()   # type: ignore[attr-defined]
     issues = check_deployment(CFG, weights, double, B)
-    assert [(i.code, i.field) for i in issues] == [("config.invalid", "rings.window")]
+    assert [(i.code, i.field) for i in issues] == [("config.invalid", "window_cache.window")]
+    double.window_cache.window = CFG.sliding_window                  # type: ignore[attr-defined]
+    assert check_deployment(CFG, weights, double, B) == []
 
 
 def test_a_drafter_whose_main_proj_does_not_take_the_features_is_refused(weights):
@@ -302,16 +316,20 @@ def dspark(weights: ModelWeights, tp: int = 1, mode: str = "single") -> Spied:
                         tp_mode="threads" if mode == "threads" else "single")
 
 
-@pytest.mark.parametrize("tp,mode", [(1, "single"), (2, "threads")])
-def test_dspark_drafter_yields_plain_greedy_tokens(weights, tp, mode):
-    """The golden property with the DSpark drafter (random TINY-DSpark weights), packed with prefill chunks; every
-    request released once."""
+@pytest.mark.parametrize("tp,mode,tables", [(1, "single", "persistent"), (2, "threads", "persistent"),
+                                           (1, "single", "full")])
+def test_dspark_drafter_yields_plain_greedy_tokens(weights, tp, mode, tables):
+    """The golden property with the DSpark drafter (random TINY-DSpark weights), packed with prefill chunks, its
+    window in the loop's ori pool (both table forms commit into the allocator's persistent tables); every request
+    released once."""
     reference = plain(weights, tp, mode)
     drafter = dspark(weights, tp, mode)
-    got = generate(prompts(), weights, drafter, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK)
+    got = generate(prompts(), weights, drafter, NEW_TOKENS, B, tp=tp, tp_mode=mode, prefill_chunk=CHUNK,
+                   tables=tables)
     assert_same_tokens(got, reference)   # equal, or a reported near-tie (tests/api/test_speculative.py)
     assert any(s.mixed for s in got.steps)
     assert sorted(drafter.released) == list(range(len(prompts())))
+    assert drafter.window_cache.tables is got.allocator.persistent     # the window lives in the loop's ori pool
 
 
 def test_dspark_drafter_adaptive_width(weights):

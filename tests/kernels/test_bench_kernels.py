@@ -117,15 +117,17 @@ def test_pypto_bench_reuses_an_earlier_runs_cycles_except_the_stages_run_again(t
         bench._earlier_tables(broken, 4, set())
 
 
-def _flash_stage_cycles(monkeypatch, stage: str, p_rows: int, requests: int) -> int:
-    """One stage's cost-model cycles at FLASH sizes (TP = 4), as the bench prices it, in a child process."""
+def _flash_stage_cycles(monkeypatch, stage: str, p_rows: int, requests: int, depth: int | None = None) -> int:
+    """One stage's cost-model cycles at FLASH sizes (TP = 4), as the bench prices it, in a child process; query
+    rows ``depth`` positions deep (default the bench's DEPTH)."""
     from dspark_kernels.pypto.isolate import run_isolated
 
     monkeypatch.setenv("DSPARK_PYPTO_COST_ONLY", "1")  # the child inherits it: cycles only, no interpreter
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the child imports the bench as benchmarks.bench_pypto
     from benchmarks.bench_pypto import stage_cycles
 
-    return run_isolated(stage_cycles, stage, p_rows, 4, requests, timeout=900)
+    extra = () if depth is None else (depth,)
+    return run_isolated(stage_cycles, stage, p_rows, 4, requests, *extra, timeout=900)
 
 
 @pytest.mark.pypto  # one cost-model compile of the gate at FLASH sizes in a child process (~10 s)
@@ -144,3 +146,39 @@ def test_the_moe_experts_run_at_flash_sizes_in_several_routed_calls(monkeypatch)
     assert bench.routed_tiles(128) > MAX_TILES_PER_CALL
     cycles = _flash_stage_cycles(monkeypatch, "moe_experts", 512, 4)
     assert cycles > bench.stage_roofline("moe_experts", 512, 4, 4)
+
+
+@pytest.mark.pypto  # one cost-model compile of the indexer at 16,384 candidates, L = 2 rows, in a child (~10 s)
+def test_the_indexer_compiles_at_64k_contexts(monkeypatch):
+    # in one sort tile its top-512 needed 327,680 B of the vector core's 196,608 B buffer and did not compile;
+    # it now sorts two column tiles of 8,192 and merges their winners
+    bench = _bench_pypto()
+    assert bench.index_candidates(bench.ROUND_CONTEXT) == 16384
+    cycles = _flash_stage_cycles(monkeypatch, "indexer", 8, 2, bench.ROUND_CONTEXT)
+    assert cycles > bench.stage_roofline("indexer", 8, 4, 2, bench.ROUND_CONTEXT)
+
+
+@pytest.mark.pypto  # imports the bench (A2A3.ini); runs no kernel: every stage's cycles from an "earlier run"
+def test_pypto_bench_round_sums_its_parts_and_gives_tokens_per_second(capsys):
+    bench = _bench_pypto()
+    geometry = bench.round_geometries()
+    (p_draft, r), (p_verify, _) = geometry["draft"], geometry["verify"]
+    draft = {s for s, _ in bench.DRAFT_STAGE_CALLS + bench.DRAFT_HEAD_CALLS}
+    ctx = bench.ROUND_CONTEXT
+
+    def table(p, stages, logit_rows):  # every stage at 2x its roofline
+        return {s: {"cycles": 2 * bench.stage_roofline(s, p, 4, r, ctx, logit_rows), "note": ""} for s in stages}
+
+    earlier = {(p_draft, r): table(p_draft, draft, p_draft), (p_verify, r): table(p_verify, bench.STAGES, p_verify)}
+    out = bench.draft_round(4, earlier=earlier)
+    assert out["missing"] == []  # the indexer is priced like every other stage
+    assert out["cycles"] == pytest.approx(sum(part["cycles"] for part in out["parts"].values()), rel=1e-12)
+    assert out["cycles"] == pytest.approx(2 * out["roofline"], rel=1e-12)  # sums of 2x each term (fp64 rounding)
+    seconds = out["cycles"] / (bench.CUBE_MHZ * 1e6)
+    assert out["ms_per_die"] == pytest.approx(1e3 * seconds, rel=1e-12)
+    tokens = [r, r * (1 + bench.ROUND_DRAFTS)]  # every first draft rejected .. every draft accepted
+    assert out["tokens_per_round"] == tokens
+    assert out["tokens_per_s_per_die"] == pytest.approx([n / seconds / 4 for n in tokens], rel=1e-12)
+    assert out["roofline_tokens_per_s_per_die"] == pytest.approx([2 * v for v in out["tokens_per_s_per_die"]],
+                                                                 rel=1e-12)
+    assert "tokens/s per die" in capsys.readouterr().out

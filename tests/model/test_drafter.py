@@ -1,7 +1,8 @@
 """The DSpark drafter (dspark_kernels.drafter) on TINY-DSpark random weights: every stage against a float64
 restatement of DeepSeek's math (``DSparkAttention``, ``DSparkBlock.forward_embed / forward_head``,
-``DSparkMarkovHead``, ``DSparkConfidenceHead``), the window rings' seeding, packed == alone, TP == single group,
-and its coded errors."""
+``DSparkMarkovHead``, ``DSparkConfidenceHead``), the window cache's seeding in the target's ``ori`` pool (spec 5.10)
+against a per-request ring through an allocator history that recycles and hands on ``ori`` blocks, packed == alone,
+TP == single group, and its coded errors."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import attrs
 import ml_dtypes
 import numpy as np
 import pytest
+from drafter_steps import Steps
 from tolerances import assert_close, layer_reductions, order_atol
 
-from dspark_abi import ABIError, ModelConfig
+from dspark_abi import ABIError, ModelConfig, PoolBlocks
+from dspark_abi.persistent import PersistentTables
 from dspark_abi.presets import FLASH_DSPARK, TINY, TINY_DSPARK
+from dspark_kernels import memory
 from dspark_kernels.drafter import DraftOutput, DSparkDrafter
 from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.drafter_weights import DrafterWeights, stage_config
@@ -51,9 +55,28 @@ def _features(request: int, n: int, start: int = 0) -> np.ndarray:
     return rows[start:]
 
 
-def _observe(d: DSparkDrafter, lengths: dict[int, int]) -> None:
-    ids = list(lengths)
-    d.observe(ids, [np.arange(lengths[r]) for r in ids], [_features(r, lengths[r]) for r in ids])
+def _observe(d: DSparkDrafter, lengths: dict[int, int], steps: Steps | None = None) -> Steps:
+    """Each request's first ``lengths[r]`` rows in one step of ``steps`` (default a fresh allocator the drafter is
+    attached to), committed, then observed."""
+    if steps is None:
+        steps = Steps(C)
+        steps.attach(d)
+    committed = steps.step(lengths)
+    ids = list(committed)
+    d.observe(ids, [committed[r] for r in ids], [_features(r, committed[r].size, int(committed[r][0])) for r in ids])
+    return steps
+
+
+def _window(d: DSparkDrafter, rid: int, at: int) -> np.ndarray:
+    """[S, W, D] the window a draft of request ``rid`` at anchor position ``at`` reads, in ring-slot order."""
+    cache = d.window_cache
+    return cache.gather(*cache.window_rows([rid], np.array([at])))[:, 0]
+
+
+def _state(d: DSparkDrafter) -> tuple[bytes, dict[int, int], object]:
+    """What an error must leave unchanged: the window cache's bytes, the last observed positions, the tables."""
+    cache = d.window_cache
+    return cache.keys.tobytes(), dict(cache.last), cache.tables
 
 
 # ---------------------------------------------------------------------------------------------- float64 math
@@ -153,11 +176,11 @@ def test_main_x_and_the_ring_keys_against_float64():
     # two orders of the main_proj product (K = T*D) and the norm (D)
     assert_close(d.main_x(feats), main64, order_atol(main64, FEATURES + D, 2), "main_x")
     kept = np.arange(n - W, n)
-    slot = d.rings.slot_of[4]
+    window = _window(d, 4, n)
     for s in range(C.n_mtp_layers):
         attn = d.weights.stage(s).attn
         want = _keys64(main64[kept], attn, kept)                                  # (W, hd)
-        got = d.rings.rings[s, slot, kept % W]
+        got = window[s, kept % W]
         # fp32 chain (K = T*D + D + D + hd) plus the FP8 step on the non-RoPE dims (only there)
         tol = order_atol(want, FEATURES + 2 * D + 2 * C.head_dim, 4) + _fp8_bound(want)
         assert np.all(np.abs(got - want) <= tol), f"stage {s}"
@@ -218,15 +241,17 @@ def test_markov_head_and_confidence_against_float64():
     assert out.tokens.dtype == np.int64 and out.confidence.dtype == np.float32
 
 
-# ---------------------------------------------------------------------------------------------- the ring
+# ---------------------------------------------------------------------------------------------- the window
 def test_prefill_seeding_keeps_the_last_window_rows_at_absolute_slots_and_chunks_equal_one_call():
     one, chunked = _drafter(), _drafter()
     n = 3 * W + 7
     _observe(one, {1: n})
     cuts = [0, 5, W + 3, 2 * W + 11, n]                          # chunks shorter and longer than the window
+    steps = Steps(C)
+    steps.attach(chunked)
     for lo, hi in itertools.pairwise(cuts):
-        chunked.observe([1], [np.arange(lo, hi)], [_features(1, hi - lo, lo)])
-    a, b = one.rings.rings[:, one.rings.slot_of[1]], chunked.rings.rings[:, chunked.rings.slot_of[1]]
+        _observe(chunked, {1: hi - lo}, steps)
+    a, b = _window(one, 1, n), _window(chunked, 1, n)
     # the same rows in different GEMM row counts (K = T*D + the key chain)
     assert_close(b, a, order_atol(a, FEATURES + 2 * D + 2 * C.head_dim, 2), "chunked vs one call")
     # slot p % W holds position p's key, for the last W positions: compare with those rows observed alone
@@ -281,7 +306,7 @@ def test_tp_threads_equal_the_single_group(tp):
 def test_propose_is_the_drafter_protocol():
     d = _drafter()
     ctx = np.random.default_rng(2).integers(0, C.vocab_size, 12)
-    d.observe([5], [np.arange(11)], [_features(5, 11)])
+    _observe(d, {5: 11})
     out = d.draft([5], ctx[-1:], np.array([11]))
     got = d.propose([5], [ctx], [2])
     np.testing.assert_array_equal(got[0], out.tokens[0, :2])
@@ -290,8 +315,9 @@ def test_propose_is_the_drafter_protocol():
 # ---------------------------------------------------------------------------------------------- errors
 def test_observe_gap_and_unknown_request_change_nothing():
     d = _drafter()
-    _observe(d, {7: 20})
-    before = d.rings.rings.copy(), d.rings.last.copy(), dict(d.rings.slot_of)
+    steps = _observe(d, {7: 20})
+    steps.step({7: 4, 8: 4, 9: 5})                                # pages mapped: only the history is wrong
+    before = _state(d)
     with pytest.raises(ABIError) as err:                          # request 7 continues at 20, not 22
         d.observe([8, 7], [np.arange(4), np.arange(22, 24)], [_features(8, 4), _features(7, 2, 22)])
     assert [(i.code, i.request) for i in err.value.issues] == [("drafter.gap", 7)]
@@ -311,9 +337,7 @@ def test_observe_gap_and_unknown_request_change_nothing():
     with pytest.raises(ABIError) as err:
         d.release([7, 5])
     assert err.value.issues[0].code == "drafter.unknown_request"
-    np.testing.assert_array_equal(d.rings.rings, before[0])
-    np.testing.assert_array_equal(d.rings.last, before[1])
-    assert d.rings.slot_of == before[2]
+    assert _state(d) == before
     d.release([7])
     with pytest.raises(ABIError):
         d.draft([7], np.array([1]), np.array([20]))
@@ -385,7 +409,9 @@ def test_a_draft_reads_only_the_last_window_rows():
     outs = []
     for feats in (base, older, newer):
         d = _drafter()
-        d.observe([6], [np.arange(n)], [feats])
+        steps = Steps(C)
+        steps.attach(d)
+        d.observe([6], [steps.step({6: n})[6]], [feats])
         outs.append(d.draft([6], np.array([9]), np.array([n])))
     np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
     np.testing.assert_array_equal(outs[1].confidence, outs[0].confidence)
@@ -395,7 +421,7 @@ def test_a_draft_reads_only_the_last_window_rows():
 def test_deepseek_precision_rounds_to_bf16_where_the_release_does():
     d = _drafter(precision="deepseek")
     _observe(d, {1: 12})
-    ring = d.rings.rings[:, d.rings.slot_of[1], :12]
+    ring = _window(d, 1, 12)[:, :12]
     # RoPE dims bf16 (the release's bf16 activations), non-RoPE dims on the FP8 grid
     np.testing.assert_array_equal(ring[..., -RD:], ring[..., -RD:].astype(ml_dtypes.bfloat16).astype(np.float32))
     np.testing.assert_array_equal(ds.kv_fake_quant(ring, RD), ring)
@@ -459,8 +485,9 @@ def test_a_whole_draft_against_float64_deepseek():
 
 def test_a_failed_weight_read_during_observe_changes_nothing(monkeypatch: pytest.MonkeyPatch):
     d = _drafter()
-    _observe(d, {7: 20})
-    before = d.rings.rings.copy(), d.rings.last.copy(), dict(d.rings.slot_of)
+    steps = _observe(d, {7: 20})
+    steps.step({7: 3, 8: 4})
+    before = _state(d)
     read = d.weights.stages.layer
 
     def failing(s: int):
@@ -471,6 +498,137 @@ def test_a_failed_weight_read_during_observe_changes_nothing(monkeypatch: pytest
     monkeypatch.setattr(d.weights.stages, "layer", failing)
     with pytest.raises(OSError):
         d.observe([7, 8], [np.arange(20, 23), np.arange(4)], [_features(7, 3, 20), _features(8, 4)])
-    np.testing.assert_array_equal(d.rings.rings, before[0])
-    np.testing.assert_array_equal(d.rings.last, before[1])
-    assert d.rings.slot_of == before[2]
+    assert _state(d) == before
+
+
+# ---------------------------------------------------------------------------------------------- the window in ori
+def _restated_keys(d: DSparkDrafter, ids: list[int], committed: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """request -> [S, n, D] the keys an observe of ``committed`` rows computes for each request's last W rows (the
+    same rows in the same call, so the same bits): what a per-request ring stores."""
+    kept = [committed[r][-W:] for r in ids]
+    x = d.main_x(np.concatenate([_features(r, k.size, int(k[0])) for r, k in zip(ids, kept, strict=True)]))
+    pos = np.concatenate(kept)
+    cos, sin = rope_at(C, "swa", pos, d.precision)
+    keys = np.stack([context_keys(x, d._prepared.get(d.weights.stage(s).attn, d.precision), cos, sin,
+                                  C.rms_norm_eps, d.precision) for s in range(C.n_mtp_layers)])   # (S, N, D)
+    bounds = np.cumsum([0] + [k.size for k in kept])
+    return {r: keys[:, bounds[i]: bounds[i + 1]] for i, r in enumerate(ids)}
+
+
+def test_drafts_equal_a_per_request_ring_while_the_allocator_hands_ori_blocks_on():
+    """A serving history on an ori pool of 8 blocks: prefill chunks longer and shorter than the window, verify steps
+    committing 1..4 rows (the window wraps many times), a request finishing and a new one taking its blocks. After
+    every step each request's window (gathered from its ori slots) and its draft equal, bit for bit, those of a
+    per-request ring of W rows at slot ``position mod W`` fed with the same keys (the 1.3 design, restated)."""
+    d = _drafter()
+    blocks = PoolBlocks.from_mapping(Steps(C).alloc.pool_blocks.as_dict() | {"ori": 8})
+    steps = Steps(C, pool_blocks=blocks)
+    steps.attach(d)
+    rings: dict[int, np.ndarray] = {}                         # request -> [S, W, D] the per-request ring
+    holders: dict[int, set[int]] = {}                         # ori block -> requests that held it
+    reached = 0
+    history = [({0: 24, 1: 5}, {}), ({0: 24, 1: 40}, {}), ({0: 30, 1: 4}, {1: 2}), ({0: 4, 1: 4}, {0: 4, 1: 1}),
+               ({0: 4, 1: 4}, {0: 3, 1: 4}), ({1: 4, 2: 50}, {1: 2}), ({1: 4, 2: 4}, {1: 4, 2: 1}),
+               ({1: 4, 2: 4}, {1: 1, 2: 4}), ({1: 4, 2: 4}, {1: 3, 2: 2})]
+    for k, (rows, accepted) in enumerate(history):
+        if k == 5:                                            # request 0 finishes: its blocks go back to the pool
+            steps.release(0)
+            d.release([0])
+            del rings[0]
+        committed = steps.step(rows, accepted)
+        ids = list(committed)
+        keys = _restated_keys(d, ids, committed)
+        d.observe(ids, [committed[r] for r in ids], [_features(r, committed[r].size, int(committed[r][0]))
+                                                      for r in ids])
+        for r in ids:
+            ring = rings.setdefault(r, np.zeros((C.n_mtp_layers, W, C.head_dim), np.float32))
+            ring[:, committed[r][-W:] % W] = keys[r]
+            slot = steps.alloc.persistent.slot_of(r)
+            for b in steps.alloc.persistent.table("ori")[slot]:
+                if b >= 0:
+                    holders.setdefault(int(b), set()).add(r)
+        at = np.array([steps.cached[r] for r in ids])
+        reached = max(reached, int(at.max()))
+        anchors = np.array([(r * 7 + k) % C.vocab_size for r in ids])
+        restated = np.stack([rings[r] for r in ids], axis=1)                          # (S, R, W, D)
+        got = d.draft(ids, anchors, at)
+        want = d._draft_rank(restated, anchors, at, None, None)
+        for i, r in enumerate(ids):
+            np.testing.assert_array_equal(_window(d, r, int(at[i])), rings[r], err_msg=f"step {k} request {r}")
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.confidence, want.confidence)
+    assert reached > 4 * W                                                 # the window wrapped several times
+    assert any(len(r) > 1 for r in holders.values())                       # a block served two requests
+    assert any(2 in r and 0 in r for r in holders.values())                # the new request took a freed block
+
+
+def test_rows_outside_the_ori_run_are_unmapped_and_change_nothing():
+    """R75: a drafter observes a step's committed rows and drafts before the request's next step is built; once a
+    later step moved the request's ori run past the rows, observe and draft are drafter.unmapped and nothing
+    changes; without tables too."""
+    d = _drafter()
+    with pytest.raises(ABIError) as err:                                   # no tables attached
+        d.observe([1], [np.arange(3)], [_features(1, 3)])
+    assert err.value.issues[0].code == "drafter.unmapped" and "attach" in err.value.issues[0].fix
+    steps = Steps(C)
+    steps.attach(d)
+    n = 3 * 32 + W - 1            # the window [n - W, n) starts on the last row of page 2
+    _observe(d, {1: n}, steps)
+    before = _state(d)
+    d.draft([1], np.array([5]), np.array([n]))                             # drafted before the next step: fine
+    steps.step({1: 5})            # the next step's live range starts at n - W + 1: page 2 is released
+    with pytest.raises(ABIError) as err:
+        d.draft([1], np.array([5]), np.array([n]))
+    issue = err.value.issues[0]
+    assert (issue.code, issue.field, issue.request, issue.index) == ("drafter.unmapped", "anchor_positions", 1, 0)
+    assert issue.expected == "positions in pages [3, 4) (the request's ori run)"
+    assert issue.actual == f"positions [{n - W}, {n - 1}]"
+    # observing rows of a step after a later step moved the run past them
+    late = steps.step({2: 40})[2]
+    steps.step({2: 60})
+    steps.step({2: 4})            # its live range starts at 100 - W + 1: pages 0 and 1 (rows 24..39) released
+    with pytest.raises(ABIError) as err:
+        d.observe([2], [late], [_features(2, 40)])
+    assert [(i.code, i.request) for i in err.value.issues] == [("drafter.unmapped", 2)]
+    assert _state(d) == before
+    # a request the tables do not hold
+    with pytest.raises(ABIError) as err:
+        d.observe([3], [np.arange(2)], [_features(3, 2)])
+    issue = err.value.issues[0]
+    assert issue.code == "drafter.unmapped" and issue.expected == "no ori slot in the tables"
+    assert _state(d) == before
+
+
+def test_attach_refuses_other_tables_while_requests_are_observed():
+    d = _drafter()
+    flash = PersistentTables(FLASH_DSPARK, PoolBlocks.uniform(8))
+    with pytest.raises(ABIError) as err:                                   # another ori geometry: never
+        d.attach(flash)
+    assert [(i.code, i.field) for i in err.value.issues] == [("config.mismatch", "tables")]
+    assert d.window_cache.tables is None and d.window_cache.keys.size == 0
+    steps = Steps(C)
+    steps.attach(d)
+    assert d.window_cache.keys.shape == (C.n_mtp_layers, steps.alloc.pool_blocks.ori * 32, C.head_dim)
+    assert d.window_cache.nbytes == memory.drafter_window_bytes(C, steps.alloc.pool_blocks)
+    _observe(d, {1: 9}, steps)
+    before = _state(d)
+    other = Steps(C, pool_blocks=PoolBlocks.uniform(64))
+    with pytest.raises(ABIError) as err:                                   # another block count with rows held
+        other.attach(d)
+    assert [(i.code, i.field) for i in err.value.issues] == [("config.mismatch", "pool_blocks.ori")]
+    assert _state(d) == before
+    steps.attach(d)                                                        # the same tables again: nothing changes
+    assert _state(d) == before
+    with pytest.warns(DeprecationWarning):                                 # 1.3's name of the window cache
+        assert d.rings is d.window_cache
+    d.release([1])
+    other.attach(d)                                                        # nothing observed: the cache follows
+    assert d.window_cache.keys.shape[1] == 64 * 32 and d.window_cache.tables is other.alloc.persistent
+    _observe(d, {1: 9}, other)
+    np.testing.assert_array_equal(_draft(d, {1: 9}).tokens, _draft(_observed_alone(1, 9), {1: 9}).tokens)
+
+
+def _observed_alone(rid: int, n: int) -> DSparkDrafter:
+    d = _drafter()
+    _observe(d, {rid: n})
+    return d

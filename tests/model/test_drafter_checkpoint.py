@@ -13,8 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from drafter_steps import Steps
 
-from dspark_abi import ABIError
+from dspark_abi import ABIError, PoolBlocks
+from dspark_abi.allocator import pool_blocks_for
+from dspark_abi.persistent import PersistentTables
 from dspark_abi.presets import FLASH_DSPARK, TINY_DSPARK
 from dspark_kernels import memory
 from dspark_kernels.drafter import DSparkDrafter
@@ -74,7 +77,9 @@ def test_a_drafter_from_the_checkpoint_drafts(checkpoint: Path):
     target = ModelWeights.from_safetensors(checkpoint, C)
     d = DSparkDrafter.from_checkpoint(checkpoint, C, target)
     feats = np.random.default_rng(0).standard_normal((12, FEATURES)).astype(np.float32)
-    d.observe([3], [np.arange(12)], [feats])
+    steps = Steps(C)
+    steps.attach(d)
+    d.observe([3], [steps.step({3: 12})[3]], [feats])
     out = d.draft([3], np.array([5]), np.array([12]))
     assert out.tokens.shape == (1, C.dspark_block_size) and np.isfinite(out.confidence).all()
     assert ((out.tokens >= 0) & (out.tokens < C.vocab_size)).all()
@@ -105,16 +110,21 @@ def test_a_checkpoint_missing_one_drafter_tensor_names_it(tmp_path: Path, checkp
     assert "mtp.2.norm.weight" in missing and not any(f.startswith("layers.") for f in missing)
 
 
-def test_ring_bytes_are_what_the_drafter_allocates():
+def test_window_bytes_are_what_the_drafter_allocates():
+    """The window cache is S more layers of the ori pool: its size follows the pool's blocks, not the requests."""
     target = ModelWeights.random(C, 0)
     d = DSparkDrafter.random(C, target)
-    ids = list(range(5))
-    d.observe(ids, [np.arange(3)] * 5, [np.zeros((3, FEATURES), np.float32)] * 5)
-    slots = d.rings.rings.shape[1]
-    assert d.rings.nbytes == memory.drafter_ring_bytes(C, slots)
-    assert memory.drafter_ring_bytes(FLASH_DSPARK, 1) == 3 * 128 * 512 * 4 + 8      # 768 KiB per request
+    blocks = pool_blocks_for(C, [40] * 5)
+    d.attach(PersistentTables(C, blocks))
+    assert d.window_cache.nbytes == memory.drafter_window_bytes(C, blocks) == 3 * blocks.ori * 32 * C.head_dim * 4
+    flash = pool_blocks_for(FLASH_DSPARK, [FLASH_DSPARK.sliding_window] * 8, slack=0)
+    assert memory.drafter_window_bytes(FLASH_DSPARK, flash) == 3 * flash.ori * 32 * 512 * 4   # 192 KiB per block
+    with pytest.warns(DeprecationWarning):                      # the 1.3 per-request rings, for comparison
+        assert memory.drafter_ring_bytes(FLASH_DSPARK, 1) == 3 * 128 * 512 * 4 + 8    # 768 KiB per request
     est = memory.estimate_drafter(FLASH_DSPARK, requests=8, streaming=True)
-    assert est.caches == memory.drafter_ring_bytes(FLASH_DSPARK, 8) and est.total < 2 * 2**30
+    assert est.caches == memory.drafter_window_bytes(FLASH_DSPARK, flash) and est.total < 2 * 2**30
+    big = memory.estimate_drafter(FLASH_DSPARK, requests=8, streaming=True, pool_blocks=PoolBlocks.uniform(4096))
+    assert big.caches - est.caches == 3 * (4096 - flash.ori) * 32 * 512 * 4
     kept = memory.estimate_drafter(C, requests=1, streaming=False)
     assert kept.weights > memory.estimate_drafter(C, requests=1, streaming=True).weights
     with pytest.raises(ABIError):
@@ -137,7 +147,8 @@ from dspark_kernels import memory
 from dspark_kernels.drafter import DSparkDrafter
 from dspark_kernels.model.drafter_weights import DrafterWeights
 from dspark_kernels.model.weights import ModelWeights
-from dspark_abi import ModelConfig
+from dspark_abi import BatchBuilder, BlockAllocator, ModelConfig, PaddingPolicy
+from dspark_abi.allocator import pool_blocks_for
 config = ModelConfig.model_validate_json(sys.argv[3])
 target_root, drafter_root = Path(sys.argv[1]), Path(sys.argv[2])
 t0 = time.time()
@@ -145,6 +156,11 @@ target = ModelWeights.from_safetensors(target_root, config)
 drafter = DSparkDrafter(config, DrafterWeights.from_safetensors(sorted(drafter_root.glob("*.safetensors")), config),
                         target)
 features = np.random.default_rng(0).standard_normal((6, 2 * config.hidden_size)).astype(np.float32)
+alloc = BlockAllocator(config, pool_blocks_for(config, [6]))     # the target's step of the 6 rows maps their ori pages
+builder = BatchBuilder(config, PaddingPolicy(), alloc)
+builder.add(0, num_cached=0, num_new=6, token_ids=np.zeros(6, np.int64))
+builder.commit(builder.build_step())
+drafter.attach(alloc.persistent)
 drafter.observe([0], [np.arange(6)], [features])
 out = drafter.draft([0], np.array([11]), np.array([6]))
 print(json.dumps({"peak": memory.peak_rss_bytes(), "seconds": time.time() - t0, "tokens": out.tokens.tolist(),

@@ -172,6 +172,7 @@ def test_rank_group_drafter_keeps_features_and_refuses_with_nothing_written():
                 call()
             assert err.value.issues[0].field == field, err.value.issues
         group.drafter_observe([0, 1], [0, 0], [20, 12])       # continues from nothing: nothing was written
+        single.attach(s.alloc.persistent)                     # the tables the ranks' mirrors equal
         single.observe([0, 1], [np.arange(20), np.arange(12)],
                        [threads.target_hidden[starts[k]: starts[k] + n] for k, n in enumerate(lengths.values())])
         anchors = np.array([tokens_of(0)[20], tokens_of(1)[12]])

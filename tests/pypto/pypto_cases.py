@@ -141,3 +141,27 @@ def indexer_many(cases: list[tuple]) -> list[np.ndarray]:
         out.append(run_indexer((qr_q, qr_scale), x, weights, RopeRows(cos, sin), IndexKeyPools(idx, idx_scale),
                                candidates, topk=topk, rounds=rounds).values[-1])
     return out
+
+
+def indexer_direct(cases: list[tuple]) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
+    """Per (low_rank, x, prepared weights, heads, weight_scale, RopeRows, IndexKeyPools, candidates [T, C]
+    (-1 = none), topk, rounds, tile_columns): (the indexer's top-k [T, k] on host-built candidates, its
+    ``sort_tiles`` (tiles, width, fan-in))."""
+    from dspark_kernels.pypto.indexer import IndexerWeights, run_indexer, sort_tiles
+
+    out = []
+    for low_rank, x, w, heads, weight_scale, rope, keys, candidates, topk, rounds, tile_columns in cases:
+        weights = IndexerWeights(w.idx_wq_b, w.idx_wq_b_scale, w.idx_weights_proj, w.idx_hadamard, heads,
+                                 weight_scale)
+        top = run_indexer(low_rank, x, weights, rope, keys, candidates, topk=topk, rounds=rounds,
+                          tile_columns=tile_columns).values[-1]
+        out.append((top, sort_tiles(candidates.shape[1], topk, tile_columns)))
+    return out
+
+
+def sort_tile_plans(cases: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int, int], int, int]]:
+    """Per (columns, topk, tile_columns): (``indexer.sort_tiles``, ``max_sort_columns(topk)``,
+    ``tile_winners(topk)``)."""
+    from dspark_kernels.pypto.indexer import max_sort_columns, sort_tiles, tile_winners
+
+    return [(sort_tiles(c, k, w), max_sort_columns(k), tile_winners(k)) for c, k, w in cases]

@@ -29,6 +29,7 @@ moves an int8 activation of o_proj by one step, which moves outputs by <= 2**-7.
 
 import numpy as np
 import pytest
+from drafter_steps import Steps
 from tolerances import BF16_ATOL_CANCELLING, BF16_RTOL, MAX_DIFFERING_FRACTION, order_atol
 
 from dspark_abi import ABIError
@@ -77,7 +78,10 @@ def _draft(backend: object, **tp: object) -> tuple[_Recorded, object]:
     d = _Recorded(C, DrafterWeights.random(C, 3), target, precision="a2a3", backend=backend,  # type: ignore[arg-type]
                   **tp)
     ids = list(LENGTHS)
-    d.observe(ids, [np.arange(LENGTHS[r]) for r in ids], [_features(r, LENGTHS[r]) for r in ids])
+    steps = Steps(C)
+    steps.attach(d)
+    committed = steps.step(LENGTHS)
+    d.observe(ids, [committed[r] for r in ids], [_features(r, LENGTHS[r]) for r in ids])
     anchors = np.array([r * 7 % C.vocab_size for r in ids])
     return d, d.draft(ids, anchors, np.array([LENGTHS[r] for r in ids]))
 

@@ -41,7 +41,7 @@ def test_validate_json_is_one_object_per_file():
     proc = run_cli("validate", "--json", str(RAGGED2), str(DUPLICATE))
     assert proc.returncode == 1
     valid, invalid = (json.loads(line) for line in proc.stdout.splitlines())
-    assert (valid["status"], valid["ok"], valid["issues"], valid["format_version"]) == ("valid", True, [], "1.3")
+    assert (valid["status"], valid["ok"], valid["issues"], valid["format_version"]) == ("valid", True, [], "1.4")
     assert invalid["status"] == "invalid" and not invalid["ok"]
     issue = invalid["issues"][0]
     assert {k: issue[k] for k in ("code", "field", "index", "request", "expected", "actual", "count")} == {

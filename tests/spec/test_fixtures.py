@@ -61,7 +61,7 @@ def test_safetensors_library_reads_our_files(tmp_path):
         assert stored[k].dtype == v.dtype and np.array_equal(stored[k], v), k
     with safetensors.safe_open(str(path), "np") as f:
         manifest = json.loads(f.metadata()[MANIFEST_KEY])  # one JSON string in __metadata__
-    assert manifest["format"] == "dspark.packed_batch" and manifest["format_version"] == "1.3"
+    assert manifest["format"] == "dspark.packed_batch" and manifest["format_version"] == "1.4"
     assert manifest["tensors"]["positions"] == {"dtype": "int32", "shape": [8]}
 
 
@@ -251,16 +251,16 @@ def test_an_issue_can_carry_its_own_fix():
 
 
 @pytest.mark.parametrize(("version", "readable"), [("1.0", True), ("1.1", True), ("1.2", True), ("1.3", True),
-                                                   ("1.4", False), ("1.10", False), ("2.0", False), ("1", False),
-                                                   (1.1, False)])
-def test_reader_accepts_every_minor_up_to_1_3(tmp_path, version, readable):
-    """Writers write 1.3; readers read 1.0 to 1.3 (spec section 12) and refuse a newer minor or another major."""
+                                                   ("1.4", True), ("1.5", False), ("1.10", False), ("2.0", False),
+                                                   ("1", False), (1.1, False)])
+def test_reader_accepts_every_minor_up_to_1_4(tmp_path, version, readable):
+    """Writers write 1.4; readers read 1.0 to 1.4 (spec section 12) and refuse a newer minor or another major."""
     batch = _ragged2()
     data = fixtures.encode(batch.to_arrays(), config=TINY, policy=batch.policy, pool_blocks=batch.pool_blocks.as_dict())
     (header_len,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + header_len])
     manifest = json.loads(header["__metadata__"][MANIFEST_KEY])
-    assert manifest["format_version"] == "1.3"
+    assert manifest["format_version"] == "1.4"
     manifest["format_version"] = version
     header["__metadata__"][MANIFEST_KEY] = json.dumps(manifest)
     path = tmp_path / "v.safetensors"

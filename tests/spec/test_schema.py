@@ -44,5 +44,5 @@ def test_schema_enumerates_exactly_the_stable_codes():
 
 
 def test_one_version_number():
-    assert ABI_VERSION == FORMAT_VERSION == json.loads(SCHEMA.read_text())["x-dspark-format-version"] == "1.3"
-    assert SUPPORTED_VERSIONS == ("1.0", "1.1", "1.2", "1.3")  # every minor of major 1 up to the one written
+    assert ABI_VERSION == FORMAT_VERSION == json.loads(SCHEMA.read_text())["x-dspark-format-version"] == "1.4"
+    assert SUPPORTED_VERSIONS == ("1.0", "1.1", "1.2", "1.3", "1.4")  # every minor of major 1 up to the one written

@@ -28,7 +28,7 @@ API_ONLY_CODES = {"pools.blocks", "rank.index", "rank.replicated_mismatch", "ran
                   # a forward's check of the tables it reads a persistent step through (spec 8.11)
                   "tables.unapplied",
                   # the DSpark drafter's API (dspark_kernels.drafter), not a batch
-                  "drafter.config", "drafter.gap", "drafter.unknown_request",
+                  "drafter.config", "drafter.gap", "drafter.unknown_request", "drafter.unmapped",
                   "capability.token_cap"}
 #: Keep the committed vectors small enough for any checkout and the wheel (measured: 1.8 MB in 1.1, 3.8 MB in 1.0).
 MAX_VECTOR_BYTES = 10 * 2**20
