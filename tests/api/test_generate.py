@@ -366,6 +366,34 @@ def test_dspark_drafter_runs_in_the_rank_processes(weights):
     assert getattr(caller, "released", []) == []      # in the caller's place, it would have released every request
 
 
+def test_the_rank_group_proxy_attaches_only_the_allocators_tables(weights):
+    """The distributed loop's caller-side drafter (its copies run in the rank processes, each attached to its own
+    mirror of the allocator's tables): attach checks the tables are the allocator's and changes nothing; before a
+    step started the group, draft and observe name no known request."""
+    from dspark_kernels.speculative import _drafter_in_ranks, _runner
+
+    runner, alloc = _runner(CFG, weights, None, None, [16], "distributed", "reference", "fp32", 8)
+    proxy = _drafter_in_ranks(runner, DSparkDrafter.random(CFG, weights, seed=5), "mean")
+    assert isinstance(proxy, ConditionedDrafter) and not isinstance(proxy, DSparkDrafter)
+    assert runner.drafter is not None and runner.drafter[2] == "mean"
+    proxy.attach(alloc.persistent)
+    with pytest.raises(ABIError) as err:
+        proxy.attach(alloc.persistent.copy())
+    assert [(i.code, i.field) for i in err.value.issues] == [("config.mismatch", "tables")]
+    with pytest.raises(ABIError) as err:
+        proxy.draft([0], np.array([1]), np.array([4]))
+    assert err.value.issues[0].code == "drafter.unknown_request"
+    with pytest.raises(ABIError) as err:                  # features stay in the ranks: arrays are refused
+        proxy.observe([0], [np.arange(3)], [np.zeros((3, 1), np.float32)])
+    assert [i.code for i in err.value.issues] == ["config.invalid"]
+    # other drafters, a drafter built from weights in memory and the other modes keep the caller's drafter
+    in_memory = DSparkDrafter(CFG, DSparkDrafter.random(CFG, weights, seed=5).weights, weights)
+    assert in_memory.recipe is None and _drafter_in_ranks(runner, in_memory, "mean") is in_memory
+    single, _ = _runner(CFG, weights, None, None, [16], "single", "reference", "fp32", 8)
+    local = DSparkDrafter.random(CFG, weights, seed=5)
+    assert _drafter_in_ranks(single, local, "mean") is local
+
+
 def test_dspark_drafter_near_the_position_limit():
     """Requests that run into max_position_embeddings: the drafter drafts only while its block fits before the
     limit (later steps verify the anchor alone); generation stops at the limit, as plain greedy decoding does."""
