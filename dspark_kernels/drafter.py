@@ -96,8 +96,9 @@ class DrafterRecipe:
     drafter on its own target weights (the drafter's weights are regenerated or re-read there, never shipped).
 
     config: the target's DSpark config; seed: random weights (:meth:`DSparkDrafter.random`) or checkpoint: a
-    checkpoint folder (:meth:`DSparkDrafter.from_checkpoint`, with ``keep_layers``); precision, backend (a
-    registry name) as the drafter's."""
+    checkpoint folder (:meth:`DSparkDrafter.from_checkpoint`, with ``keep_layers``; a path the rank processes
+    can read); precision, backend (a registry name) as the drafter's. It builds a :class:`DSparkDrafter`, never a
+    subclass."""
 
     config: ModelConfig
     seed: int | None = None
