@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import numpy as np
@@ -35,9 +35,6 @@ from dspark_kernels.model.layer import AllGather
 from dspark_kernels.model.plan import PlanSource
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.weights import ModelWeights
-
-if TYPE_CHECKING:   # the drafter module imports this one
-    from dspark_kernels.drafter import DrafterRecipe, DraftOutput, DSparkDrafter
 
 #: Seconds a rank waits for its peers at one all-gather before giving up (a peer failed or hung).
 GATHER_TIMEOUT_S = 600.0
@@ -258,7 +255,9 @@ class _RankDrafter:
     """A rank process's DSpark drafter (:meth:`RankGroup.attach_drafter`) and its last step's target features,
     which the drafter observes from (they never leave the process)."""
 
-    drafter: DSparkDrafter
+    drafter: Any
+    """The rank's ``dspark_kernels.drafter.DSparkDrafter`` (typed loosely: the model layer never imports the
+    drafter module, which imports the backends)."""
     reduction: str
     step: PackedBatch | PersistentStep | None = None
     features: np.ndarray | None = None
@@ -429,8 +428,9 @@ class RankGroup:
         self._send("release", slot)
         self._collect("released")
 
-    def attach_drafter(self, recipe: DrafterRecipe, target: ModelWeights, reduction: str = "mean") -> None:
-        """Every rank builds ``recipe``'s drafter on ``target`` (TP over the group, ``tp_mode="distributed"``) and
+    def attach_drafter(self, recipe: Any, target: ModelWeights, reduction: str = "mean") -> None:
+        """Every rank builds ``recipe``'s drafter (a ``dspark_kernels.drafter.DrafterRecipe``; typed loosely, as
+        the model layer never imports the drafter) on ``target`` (TP over the group, ``tp_mode="distributed"``) and
         from the next step on keeps that step's target features in ``reduction`` for it (the mean of the hc
         streams, or ``"hc_head"``); the steps' results carry no features any more."""
         self._send("drafter", (recipe, target, reduction))
@@ -445,12 +445,11 @@ class RankGroup:
                                np.asarray(counts, np.int64).reshape(-1)))
         self._collect("observe")
 
-    def drafter_draft(self, request_ids: Sequence[int], anchors: np.ndarray, anchor_positions: np.ndarray
-                      ) -> DraftOutput:
-        """The ranks' packed draft (``DSparkDrafter.draft``) of the requests, TP over the group: rank 0's output."""
+    def drafter_draft(self, request_ids: Sequence[int], anchors: np.ndarray, anchor_positions: np.ndarray) -> Any:
+        """The ranks' packed draft (``DSparkDrafter.draft``) of the requests, TP over the group: rank 0's
+        ``DraftOutput``."""
         self._send("draft", ([int(r) for r in request_ids], np.asarray(anchors), np.asarray(anchor_positions)))
-        out: DraftOutput = self._collect("draft")[0]
-        return out
+        return self._collect("draft")[0]
 
     def drafter_release(self, request_ids: Sequence[int]) -> None:
         """The ranks' drafters forget the requests (``DSparkDrafter.release``)."""
