@@ -26,6 +26,7 @@ verify width is fixed (``K``) or adaptive from the drafter's confidence head (:f
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -357,13 +358,16 @@ class _Runner:
     precision: str
     allocator: BlockAllocator
     tables: TableForm = "persistent"
+    fresh_caches: bool = False
+    """``caches`` are the zero pools :func:`_runner` allocated (a distributed group then allocates its own)."""
     stages: Backend = attrs.field(init=False)
     """The backend's stages (its acceptance stage runs after each forward)."""
     mirror: PersistentTables | None = attrs.field(init=False, default=None)
     """The host mirror of the persistent tables (single and threads modes)."""
     group: Any = attrs.field(init=False, default=None)
     """The distributed mode's :class:`~dspark_kernels.model.tp.RankGroup` (persistent form), started at the first
-    step."""
+    step. It keeps the weights and the caches in its rank processes: ``caches`` are current again only after
+    :meth:`close` (and inside :meth:`with_caches`)."""
     drafter: tuple[Any, ModelWeights, str] | None = attrs.field(init=False, default=None)
     """(DrafterRecipe, target weights, feature reduction) of a DSpark drafter that runs in the group's rank processes
     (:func:`_drafter_in_ranks`); attached when the group starts."""
@@ -409,37 +413,59 @@ class _Runner:
         else:   # the full form (a persistent step runs on the rank processes' mirrors: _distributed_step)
             ranks = tp.launch(tp.DistributedJob(step, tokens, self.weights, self.caches,
                                                 precision=self.precision, backend=self.backend))
-            self._take_caches(ranks[0].caches)
+            written = ranks[0].caches
+            if written is not None:                 # a one-shot launch returns every rank's caches
+                self._take_caches(written)
             result = ranks[0].result
         return source.batch, _Forward(result.logit_rows, result.sampled, result.logits, result.target_hidden,
                                       result.target_hidden_hc_head)
 
     def _distributed_step(self, step: PersistentStep, tokens: np.ndarray) -> tuple[StepRows, _Forward]:
-        """A persistent step on the rank processes: each applies the delta to its own mirror (its one check); the
-        host keeps the step's own rows."""
+        """A persistent step on the rank processes: each applies the delta to its own mirror (its one check) and
+        writes its resident caches; only the step and its tokens go out, only the results come back (the host
+        keeps the step's own rows)."""
         from dspark_kernels.model import tp
 
-        if self.group is None:
-            self.group = tp.RankGroup(step.policy.tp_size, self.allocator.persistent, attention=self.backend,
+        if self.group is None:   # weights and caches go to the ranks once, here (fresh caches: not even once)
+            self.group = tp.RankGroup(step.policy.tp_size, self.allocator.persistent, self.weights,
+                                      None if self.fresh_caches else self.caches, attention=self.backend,
                                       precision=self.precision)
             if self.drafter is not None:
-                self.group.attach_drafter(*self.drafter)
-        batch = step
-        ranks = self.group.run(tp.DistributedJob(step, tokens, self.weights, self.caches, precision=self.precision,
-                                                 backend=self.backend), self.allocator.persistent.slots)
-        self._take_caches(ranks[0].caches)
+                recipe, target, reduction = self.drafter
+                self.group.attach_drafter(recipe, None if target is self.weights else target, reduction)
+        ranks = self.group.run(tp.GroupStep(step, tokens), self.allocator.persistent.slots)
         r = ranks[0].result
-        return batch, _Forward(r.logit_rows, r.sampled, r.logits, r.target_hidden, r.target_hidden_hc_head)
+        return step, _Forward(r.logit_rows, r.sampled, r.logits, r.target_hidden, r.target_hidden_hc_head)
+
+    def with_caches(self, hook: Callable[[ModelCaches], None]) -> None:
+        """Call ``hook(caches)`` with ``caches`` current; in the distributed group the ranks' caches come back for
+        it and go out again after it (what it wrote reaches the ranks): two transfers of every pool, for a hook."""
+        if self.group is None:
+            hook(self.caches)
+            return
+        self._take_caches(self.group.caches())
+        hook(self.caches)
+        self.group.set_caches(self.caches)
 
     def _take_caches(self, written: ModelCaches) -> None:
         for name, array in self.caches.arrays().items():      # the rank processes wrote their own copies
             array[...] = written.arrays()[name]
 
-    def close(self) -> None:
-        """Stop the distributed mode's rank processes, if any."""
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the distributed mode's rank processes, if any, after copying their caches (rank 0's) into
+        ``caches``: the one time they come back. failed: the loop is failing; a group that no longer answers
+        (a rank failed) leaves ``caches`` as of the group's start, and no error of the fetch replaces the loop's."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            if not group.closed:
+                self._take_caches(group.caches())
+        except Exception:
+            if not failed:
+                raise
+        finally:
+            group.close()
 
 
 @attrs.define
@@ -538,9 +564,10 @@ def _runner(config: ModelConfig, weights: ModelWeights, caches: ModelCaches | No
         raise ABIError(issues)
     if allocator is None:
         allocator = BlockAllocator(config, pool_blocks_for(config, list(lengths), slack=slack))
+    fresh = caches is None
     if caches is None:
         caches = ModelCaches.allocate(config, allocator.pool_blocks, precision=precision)
-    return _Runner(weights, caches, tp_mode, backend, precision, allocator, tables), allocator
+    return _Runner(weights, caches, tp_mode, backend, precision, allocator, tables, fresh), allocator
 
 
 def _check_counts(values: Mapping[str, tuple[object, int]]) -> None:
@@ -742,6 +769,13 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     allocator knows them; a conditioned drafter observes only the rows this loop computes); default fresh pools
     sized for the prompts and ``slack`` blocks more per pool.
     on_step(record, caches) runs after each commit (tests plant garbage in rejected rows there).
+    When the caller's ``caches`` are current: in ``single`` and ``threads`` modes and on the full form always (every
+    step writes them, or a one-shot launch per step copies rank 0's back). In ``"distributed"`` mode on the
+    persistent form the rank processes keep the weights and caches resident and write their own copies, so
+    ``caches`` are current when ``generate`` returns (rank 0's come back once, at the end), when it raises while
+    the group still answers (a failed step, on_step or a drafter's error; not a crashed rank, which leaves them
+    as of the loop's start), and inside ``on_step`` (the hook costs a round trip of every pool per step: what it
+    writes reaches the ranks).
     tables: the block-table form of the steps (:data:`TABLE_FORMS`): ``"persistent"`` (default; every step is
     ``build_step()``'s, the kernels read the persistent tables, ``StepRecord.batch`` is the step's own rows) or
     ``"full"``; both give the same tokens.
@@ -833,14 +867,14 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
             steps.append(StepRecord(batch=batch, prefill_ids=tuple(pre), verify=tuple(outputs), accepted=accepted,
                                     seconds=time.perf_counter() - t0))
             if on_step is not None:
-                on_step(steps[-1], runner.caches)
+                runner.with_caches(functools.partial(on_step, steps[-1]))
     except BaseException:
         if conditioned is not None and observed:   # a failed step must not leave the drafter holding state
             with contextlib.suppress(Exception):     # the step's own error is the one to report
                 conditioned.release(sorted(observed))
+        runner.close(failed=True)                   # caches fetched from a group that still answers
         raise
-    finally:
-        runner.close()
+    runner.close()                                  # a distributed group's caches come back here, once
     return GenerateResult(tokens={i: np.asarray(g[:max_new_tokens], np.int64) for i, g in enumerate(generated)},
                           accepted_lengths=lengths, steps=steps, caches=runner.caches, allocator=alloc)
 
@@ -924,13 +958,17 @@ def greedy_decode(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelW
     scales: list[list[float]] = [[] for _ in tokens]
     steps: list[StepRecord] = []
     inputs = list(tokens)
-    with contextlib.closing(runner):
+    try:
         while True:
             live = [i for i in range(len(tokens)) if len(generated[i]) < max_new_tokens
                     and done[i] + inputs[i].size <= cfg.max_position_embeddings]
             if not live:
                 break
             _greedy_step(runner, builder, live, inputs, done, generated, margins, scales, steps)
+    except BaseException:
+        runner.close(failed=True)
+        raise
+    runner.close()                                  # a distributed group's caches come back here, once
     return GenerateResult(tokens={i: np.asarray(g, np.int64) for i, g in enumerate(generated)},
                           accepted_lengths={i: [] for i in range(len(tokens))}, steps=steps, caches=runner.caches,
                           allocator=alloc, margins={i: np.asarray(m) for i, m in enumerate(margins)},

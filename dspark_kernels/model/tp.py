@@ -15,6 +15,7 @@ torch is imported only inside the distributed functions, never when this module 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import queue
 import tempfile
@@ -42,11 +43,12 @@ GATHER_TIMEOUT_S = 600.0
 
 @attrs.frozen(eq=False)
 class RankResult:
-    """One rank's forward result and its (replicated) caches after the call."""
+    """One rank's forward result and its (replicated) caches after the call (None for a :class:`RankGroup`
+    step: the group keeps its caches in its rank processes, :meth:`RankGroup.caches` fetches them)."""
 
     rank: int
     result: ForwardResult
-    caches: ModelCaches
+    caches: ModelCaches | None
 
 
 class ThreadGroup:
@@ -122,11 +124,12 @@ def run_tp_inprocess(batch: PackedBatch | PersistentStep | PlanSource, inputs: n
 # ---------------------------------------------------------------------------------------------- distributed
 @attrs.frozen(eq=False)
 class DistributedJob:
-    """Everything a rank process needs (pickled to each process; random weights regenerate there).
+    """Everything a rank process of a one-shot :func:`launch` needs (pickled to each process; random weights
+    regenerate there, checkpoint weights stream from their files there).
 
     batch: a full-form batch, or a persistent step: :func:`launch` then ships ``tables`` (the persistent tables
-    holding the step's delta) with it, while a :class:`RankGroup` keeps one mirror per rank process and ships the
-    step alone (``tables`` None)."""
+    holding the step's delta) with it. A :class:`RankGroup` step is a :class:`GroupStep` instead (no weights, no
+    caches, no tables: the group's rank processes keep theirs)."""
 
     batch: PackedBatch | PersistentStep
     inputs: np.ndarray
@@ -141,8 +144,7 @@ class DistributedJob:
     on_layer: Callable[[int, int], None] | None = None
     """Called by rank 0's process after each layer (it must pickle; it runs in that process)."""
     tables: PersistentTables | None = None
-    """The persistent tables holding the delta of a persistent ``batch`` (one-shot :func:`launch`); None for a
-    full-form batch and for a :class:`RankGroup` step (each rank reads its own mirror)."""
+    """The persistent tables holding the delta of a persistent ``batch``; None for a full-form batch."""
 
 
 def torch_all_gather(device: str = "cpu") -> AllGather:
@@ -173,19 +175,29 @@ def run_rank(job: DistributedJob, *, device: str = "cpu", attention: Backend | N
 def _run_job(job: DistributedJob, tables: PersistentTables | None, *, device: str, attention: Backend | None
              ) -> RankResult:
     """This process's rank of ``job``, its persistent step (if any) read through ``tables``."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    tp_size = job.batch.policy.tp_size
-    if dist.get_world_size() != tp_size:
-        raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {tp_size}")
     if attention is None:
         attention = resolve_backend(job.backend, job.precision)
     options = ForwardOptions(precision=job.precision, layers=job.layers, logit_rows=job.logit_rows,
-                             backend=attention, on_layer=job.on_layer if rank == 0 else None)
-    result = run_forward(job.batch, job.inputs, job.weights, job.caches, options,
-                         tp=RankContext(rank, torch_all_gather(device)), tables=tables)
-    return RankResult(rank, result, job.caches)
+                             backend=attention)
+    return _run_rank_forward(job.batch, job.inputs, job.weights, job.caches, options, job.on_layer, tables,
+                             device)
+
+
+def _run_rank_forward(batch: PackedBatch | PersistentStep, inputs: np.ndarray, weights: ModelWeights,
+                      caches: ModelCaches, options: ForwardOptions, on_layer: Callable[[int, int], None] | None,
+                      tables: PersistentTables | None, device: str) -> RankResult:
+    """This process's rank of one forward in the initialised default process group (``caches`` written in place;
+    ``on_layer`` runs on rank 0 only)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tp_size = batch.policy.tp_size
+    if dist.get_world_size() != tp_size:
+        raise ValueError(f"world size {dist.get_world_size()} differs from the batch's tp_size {tp_size}")
+    options = attrs.evolve(options, on_layer=on_layer if rank == 0 else None)
+    result = run_forward(batch, inputs, weights, caches, options, tp=RankContext(rank, torch_all_gather(device)),
+                         tables=tables)
+    return RankResult(rank, result, caches)
 
 
 def _spawned_rank(rank: int, job: DistributedJob, init_file: str, backend: str, device: str, out: Any,
@@ -306,7 +318,7 @@ def _drafter_message(kind: str, payload: Any, held: _RankDrafter | None, mirror:
     mirror, which applies every step before its forward (so it equals the allocator's tables when the drafter
     observes a step's committed rows and drafts before the next one)."""
     if kind == "drafter":
-        recipe, weights, reduction = payload
+        recipe, weights, reduction = payload   # weights: the rank's resident target weights unless others came
         built = recipe.build(weights, tp=tp_size, tp_mode="distributed")
         built.attach(mirror)
         return None, _RankDrafter(built, reduction)
@@ -325,18 +337,95 @@ def _drafter_message(kind: str, payload: Any, held: _RankDrafter | None, mirror:
 
 #: Messages a rank answers about its drafter: an ABIError they raise is reported and the rank keeps serving.
 _DRAFTER_MESSAGES = ("drafter", "observe", "draft", "drafter_release")
+#: Seconds the other ranks get to answer once one rank reported a refusal or an error: ranks that agree answer
+#: within milliseconds of each other; one that does not answer is waiting in a collective its failed peer never
+#: joins, and the group is closed instead of waiting for :data:`GATHER_TIMEOUT_S`.
+PEER_ANSWER_GRACE_S = 5.0
+#: Seconds :meth:`RankGroup.close` waits for a rank process to stop after a failure before terminating it.
+FAILED_STOP_GRACE_S = 1.0
+
+
+@attrs.frozen(eq=False)
+class GroupStep:
+    """One step of a :class:`RankGroup`: only what changes per step (pickled to each rank process). The group's
+    rank processes keep their weights, caches (written in place), prepared weights and mirror of the persistent
+    tables across steps, so a step carries none of them.
+
+    batch: a persistent step (each rank applies its delta to its own mirror first) or a full-form batch.
+    inputs: [P] int64 token ids or [P, hc, D] / [P, D] float32 hidden rows, as
+    :func:`~dspark_kernels.model.forward.run_forward`'s."""
+
+    batch: PackedBatch | PersistentStep
+    inputs: np.ndarray
+    layers: tuple[int, ...] | None = None
+    logit_rows: tuple[int, ...] | None = None
+    on_layer: Callable[[int, int], None] | None = None
+    """Called by rank 0's process after each layer (it must pickle; it runs in that process)."""
+
+
+def caches_digest(caches: ModelCaches) -> bytes:
+    """A digest of every pool of ``caches`` (names, shapes, dtypes, bytes): equal caches give equal digests, so
+    the ranks of a group compare their replicas without shipping them."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, array in sorted(caches.arrays().items()):
+        h.update(f"{name}{array.shape}{array.dtype}".encode())
+        h.update(np.ascontiguousarray(array).data)
+    return h.digest()
+
+
+@attrs.define
+class _Resident:
+    """What a rank process of a :class:`RankGroup` keeps across steps: the weights (built once there, their layers
+    kept when ``keep_layers``), the prepared attention weights, the caches (written in place by every step) and the
+    mirror of the persistent tables."""
+
+    weights: ModelWeights
+    caches: ModelCaches
+    prepared: PreparedWeightsCache
+    mirror: PersistentTables
+    options: ForwardOptions
+    """The group's precision and attention backend (fixed at its start)."""
+
+    def run(self, step: GroupStep, slots: int, device: str) -> RankResult:
+        """The rank's forward of ``step``; the result carries no caches (they stay here)."""
+        self.mirror.grow(slots)
+        tables = None
+        if isinstance(step.batch, PersistentStep):
+            self.mirror.apply(step.batch)         # the step's delta alone: never the whole tables
+            tables = self.mirror
+        options = attrs.evolve(self.options, layers=step.layers, logit_rows=step.logit_rows)
+        done = _run_rank_forward(step.batch, step.inputs, self.weights, self.caches, options, step.on_layer,
+                                 tables, device)
+        return RankResult(done.rank, done.result, None)
+
+    def set_caches(self, caches: ModelCaches) -> None:
+        """Overwrite the resident pools in place with ``caches`` (same layout; refused with nothing written)."""
+        mine, theirs = self.caches.arrays(), caches.arrays()
+        if set(mine) != set(theirs) or any(a.shape != theirs[n].shape or a.dtype != theirs[n].dtype
+                                           for n, a in mine.items()):
+            raise ABIError([Issue("config.mismatch", "caches", "the caches do not have the group's pools",
+                                  expected=sorted(mine), actual=sorted(theirs),
+                                  fix="pass caches allocated for the group's config, pools and precision")])
+        for name, array in mine.items():
+            array[...] = theirs[name]
 
 
 def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: str, inboxes: Any, out: Any,
-                tables: dict[str, np.ndarray], config: Any, pool_blocks: Any, attention: Backend | None) -> None:
-    """One rank process of a :class:`RankGroup`: it loads its mirror of the persistent tables once, then per message
-    applies a step's delta to it (as a device table is updated) and runs its rank of the step; with a drafter
-    attached, it keeps the step's target features and answers the drafter's observe / draft / release."""
+                tables: dict[str, np.ndarray], config: Any, pool_blocks: Any, attention: Backend | None,
+                precision: str, weights: ModelWeights, caches: ModelCaches | None) -> None:
+    """One rank process of a :class:`RankGroup`: it loads its weights, caches and mirror of the persistent tables
+    once (``caches`` None: fresh zero pools of ``pool_blocks``), then per message applies a step's delta to its
+    mirror (as a device table is updated) and runs its rank of the step on its resident weights and caches; with
+    a drafter attached, it keeps the step's target features and answers the drafter's observe / draft / release."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    mirror = PersistentTables.from_arrays(config, pool_blocks, tables)   # proven once, then kept by deltas
+    resident = _Resident(
+        weights, ModelCaches.allocate(config, pool_blocks, precision=precision) if caches is None else caches,
+        PreparedWeightsCache(keep=weights.keep_layers),
+        PersistentTables.from_arrays(config, pool_blocks, tables),   # proven once, then kept by deltas
+        ForwardOptions(precision=precision, backend=attention))
     held: _RankDrafter | None = None
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp_size)
     try:
@@ -345,8 +434,10 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
             if kind == "stop":
                 return
             if kind in _DRAFTER_MESSAGES:
+                if kind == "drafter" and payload[1] is None:   # the drafter's target: the resident weights
+                    payload = (payload[0], resident.weights, payload[2])
                 try:
-                    value, held = _drafter_message(kind, payload, held, mirror, tp_size, rank)
+                    value, held = _drafter_message(kind, payload, held, resident.mirror, tp_size, rank)
                     out.put((kind, rank, value))
                 except ABIError as exc:   # checked before anything was written: the rank keeps serving
                     out.put(("refused", rank, exc))
@@ -356,22 +447,22 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
                 continue
             try:
                 if kind == "mirror":
-                    out.put(("mirror", rank, mirror.to_arrays()))
-                    continue
-                if kind == "release":
-                    mirror.release(int(payload))
+                    out.put(("mirror", rank, resident.mirror.to_arrays()))
+                elif kind == "release":
+                    resident.mirror.release(int(payload))
                     out.put(("released", rank, None))
-                    continue
-                job, slots = payload
-                mirror.grow(slots)
-                if isinstance(job.batch, PersistentStep):
-                    mirror.apply(job.batch)            # the step's delta alone: never the whole tables
-                    done = _run_job(job, mirror, device=device, attention=attention)
+                elif kind == "caches":            # rank 0 ships its pools, every rank its digest
+                    out.put(("caches", rank, (resident.caches if rank == 0 else None,
+                                              caches_digest(resident.caches))))
+                elif kind == "set_caches":
+                    resident.set_caches(payload)
+                    out.put(("set_caches", rank, None))
                 else:
-                    done = _run_job(job, None, device=device, attention=attention)
-                if held is not None:                   # the features stay here, for the drafter's observe
-                    done = RankResult(done.rank, held.keep(job.batch, done.result), done.caches)
-                out.put(("result", rank, done))
+                    step, slots = payload
+                    done = resident.run(step, slots, device)
+                    if held is not None:          # the features stay here, for the drafter's observe
+                        done = RankResult(done.rank, held.keep(step.batch, done.result), None)
+                    out.put(("result", rank, done))
             except Exception as exc:  # reported to the caller, which stops the group
                 out.put(("error", rank, exc))
                 return
@@ -382,14 +473,19 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
 class RankGroup:
     """``tp_size`` rank processes on ``torch.distributed`` that live across steps (a serving loop's TP group).
 
-    Each process keeps its own mirror of the persistent tables: loaded once from ``tables`` (the allocator's, as of
-    the group's start) and advanced by ``PersistentTables.apply(step)`` for every persistent step it runs, as a
-    device-resident table would be; a step ships only its delta, never the tables. :meth:`run` takes one
-    :class:`DistributedJob` (its ``batch`` a persistent step, ``tables`` None; a full-form batch also runs) and
-    returns every rank's :class:`RankResult`; :meth:`release` frees a slot the allocator released on every mirror;
-    :meth:`mirrors` returns each rank's mirror (``to_arrays()``).
-    ``slots``: the allocator's slot count, sent with each step (the mirror grows as the allocator's tables do).
-    Use as a context manager (:meth:`close` stops the processes).
+    Everything that does not change per step is shipped once, when the group starts, and stays resident in each
+    rank process, as it would on a device: ``weights`` (pickled as their description: random weights regenerate,
+    checkpoint weights stream from their files; each rank builds its layers once and keeps them and their
+    prepared attention weights when ``weights.keep_layers``), ``caches`` (the caller's pools as of the start, or
+    None for fresh zero pools of the tables' block counts; each rank writes its own copy in place at every step)
+    and the persistent tables (each rank's mirror is loaded once and advanced by ``PersistentTables.apply(step)``
+    for every persistent step it runs, as a device-resident table would be). :meth:`run` ships one
+    :class:`GroupStep` (the step, its delta and its inputs) and returns every rank's :class:`RankResult`, which
+    carries no caches; :meth:`caches` fetches rank 0's caches (and checks that every rank's replica equals them by
+    digest); :meth:`set_caches` overwrites every rank's caches; :meth:`release` frees a slot the allocator
+    released on every mirror; :meth:`mirrors` returns each rank's mirror (``to_arrays()``). ``slots``: the
+    allocator's slot count, sent with each step (the mirror grows as the allocator's tables do). Use as a context
+    manager (:meth:`close` stops the processes).
 
     The DSpark drafter can run in the group too (:meth:`attach_drafter`): each rank builds its own
     ``DSparkDrafter(tp=tp_size, tp_mode="distributed")`` from a picklable recipe, keeps its last step's target
@@ -397,15 +493,23 @@ class RankGroup:
     :meth:`drafter_observe` (which rows of that step each request committed), :meth:`drafter_draft` (rank 0's
     ``DraftOutput``) and :meth:`drafter_release`. An :class:`~dspark_abi.ABIError` a drafter raises (e.g.
     ``drafter.gap``; the drafter checks before it writes, identically on every rank) reaches the caller as raised
-    and the group keeps serving; any other failure of a rank stops the group.
+    and the group keeps serving.
+
+    Failures: any other error of a rank stops the group at once and is raised (the other ranks may be waiting in
+    a collective their failed peer never joins: they are terminated, not waited for); so is a refusal some ranks
+    give and others do not answer within ``peer_grace`` seconds, or give differently. A stopped group refuses
+    further calls (``RuntimeError``); its caches are lost (fetch them before a step that may fail, if needed).
     """
 
-    def __init__(self, tp_size: int, tables: PersistentTables, *, backend: str = "gloo", device: str = "cpu",
-                 attention: str = "reference", precision: str = "fp32", timeout: float = GATHER_TIMEOUT_S):
+    def __init__(self, tp_size: int, tables: PersistentTables, weights: ModelWeights,
+                 caches: ModelCaches | None = None, *, backend: str = "gloo", device: str = "cpu",
+                 attention: str = "reference", precision: str = "fp32", timeout: float = GATHER_TIMEOUT_S,
+                 peer_grace: float = PEER_ANSWER_GRACE_S):
         import torch.multiprocessing as mp
 
         resolved = resolve_backend(attention, precision)
-        self.tp_size, self.timeout = tp_size, timeout
+        self.tp_size, self.timeout, self.peer_grace = tp_size, timeout, peer_grace
+        self.closed = False
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(tp_size)]
         self._out = ctx.Queue()
@@ -414,13 +518,33 @@ class RankGroup:
         os.unlink(self._init_file)  # the file store creates it
         self._procs = mp.start_processes(
             _group_rank, args=(tp_size, self._init_file, backend, device, self._inboxes, self._out,
-                               tables.to_arrays(), tables.config, tables.pool_blocks, resolved),
+                               tables.to_arrays(), tables.config, tables.pool_blocks, resolved, precision, weights,
+                               caches),
             nprocs=tp_size, join=False, start_method="spawn")
 
-    def run(self, job: DistributedJob, slots: int) -> list[RankResult]:
-        """Every rank's result of ``job`` (a step the ranks' mirrors have not applied yet)."""
-        self._send("job", (job, slots))
+    def run(self, step: GroupStep, slots: int) -> list[RankResult]:
+        """Every rank's result of ``step`` (a step the ranks' mirrors have not applied yet); no caches in them."""
+        self._send("job", (step, slots))
         return self._collect("result")
+
+    def caches(self) -> ModelCaches:
+        """Rank 0's caches as of the last step (one transfer of every pool); raises ``RuntimeError`` (and stops
+        the group) when another rank's replica differs from them (compared by digest, nothing else shipped)."""
+        self._send("caches", None)
+        answers = self._collect("caches")
+        first, digest = answers[0]
+        differ = [r for r, (_, d) in enumerate(answers) if d != digest]
+        if differ:
+            self.close(grace=FAILED_STOP_GRACE_S)
+            raise RuntimeError(f"the caches of TP ranks {differ} differ from rank 0's: the replicas diverged")
+        written: ModelCaches = first
+        return written
+
+    def set_caches(self, caches: ModelCaches) -> None:
+        """Overwrite every rank's caches with ``caches`` (one transfer of every pool per rank), e.g. after the
+        caller changed the copy :meth:`caches` returned. ``config.mismatch`` (nothing written) for other pools."""
+        self._send("set_caches", caches)
+        self._collect("set_caches")
 
     def release(self, slot: int) -> None:
         """Release ``slot`` on every rank's mirror, as the allocator released it (``BlockAllocator.release``): its
@@ -428,11 +552,12 @@ class RankGroup:
         self._send("release", slot)
         self._collect("released")
 
-    def attach_drafter(self, recipe: Any, target: ModelWeights, reduction: str = "mean") -> None:
+    def attach_drafter(self, recipe: Any, target: ModelWeights | None = None, reduction: str = "mean") -> None:
         """Every rank builds ``recipe``'s drafter (a ``dspark_kernels.drafter.DrafterRecipe``; typed loosely, as
-        the model layer never imports the drafter) on ``target`` (TP over the group, ``tp_mode="distributed"``) and
-        from the next step on keeps that step's target features in ``reduction`` for it (the mean of the hc
-        streams, or ``"hc_head"``); the steps' results carry no features any more."""
+        the model layer never imports the drafter) on ``target`` (default: the group's resident weights, nothing
+        shipped; TP over the group, ``tp_mode="distributed"``) and from the next step on keeps that step's target
+        features in ``reduction`` for it (the mean of the hc streams, or ``"hc_head"``); the steps' results carry
+        no features any more."""
         self._send("drafter", (recipe, target, reduction))
         self._collect("drafter")
 
@@ -457,6 +582,8 @@ class RankGroup:
         self._collect("drafter_release")
 
     def _send(self, kind: str, payload: Any) -> None:
+        if self.closed:
+            raise RuntimeError("the TP rank group is stopped (a rank failed, or it was closed)")
         for box in self._inboxes:
             box.put((kind, payload))
 
@@ -467,41 +594,60 @@ class RankGroup:
 
     def _collect(self, kind: str) -> list[Any]:
         """Every rank's answer to one message. Refusals (a drafter's ABIError) raise rank 0's error once every rank
-        answered: all refused alike, so the group stays usable; ranks that disagree stop it."""
+        answered: all refused alike, so the group stays usable; ranks that disagree stop it. An error, a rank that
+        exits, a refusal the other ranks do not answer within ``peer_grace`` seconds (they wait in a collective)
+        and the group ``timeout`` stop the group at once and raise."""
         got: dict[int, Any] = {}
         refused: dict[int, ABIError] = {}
         deadline = time.monotonic() + self.timeout
+        grace_end: float | None = None          # set by the first refusal
         while len(got) + len(refused) < self.tp_size:
+            now = time.monotonic()
+            wait = min(1.0, max((deadline if grace_end is None else min(deadline, grace_end)) - now, 0.01))
             try:
-                what, rank, value = self._out.get(timeout=1.0)
+                what, rank, value = self._out.get(timeout=wait)
             except queue.Empty:
-                self._procs.join(timeout=0)  # raises ProcessRaisedException / ProcessExitedException on failure
-                if time.monotonic() > deadline:
-                    self.close()
+                try:
+                    self._procs.join(timeout=0)  # raises ProcessRaisedException / ProcessExitedException on failure
+                except Exception:
+                    self.close(grace=FAILED_STOP_GRACE_S)
+                    raise
+                now = time.monotonic()
+                if grace_end is not None and now > grace_end:   # the others wait in a collective: stop them
+                    self.close(grace=FAILED_STOP_GRACE_S)
+                    raise refused[min(refused)] from None
+                if now > deadline:
+                    self.close(grace=FAILED_STOP_GRACE_S)
                     raise TimeoutError(f"TP ranks did not answer within {self.timeout} s") from None
                 continue
             if what == "error":
-                self.close()
+                self.close(grace=FAILED_STOP_GRACE_S)
                 raise value
             if what == "refused":
                 refused[rank] = value
+                if grace_end is None:
+                    grace_end = time.monotonic() + self.peer_grace
             elif what == kind:
                 got[rank] = value
         if refused:
             if got:   # the ranks' drafters disagree: their replicated state can no longer be trusted
-                self.close()
+                self.close(grace=FAILED_STOP_GRACE_S)
             raise refused[min(refused)]
         return [got[r] for r in range(self.tp_size)]
 
-    def close(self) -> None:
-        """Stop the rank processes (terminating any that do not exit within a few seconds)."""
-        for box in self._inboxes:
-            box.put(("stop", None))
-        deadline = time.monotonic() + 10.0
+    def close(self, grace: float = 10.0) -> None:
+        """Stop the rank processes (terminating any that do not exit within ``grace`` seconds, e.g. one waiting in
+        a collective a failed peer never joins). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            for box in self._inboxes:
+                box.put(("stop", None))
+        deadline = time.monotonic() + grace
         for p in self._procs.processes:
             p.join(timeout=max(deadline - time.monotonic(), 0.0))
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=grace)
         if os.path.exists(self._init_file):
             os.unlink(self._init_file)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from dspark_abi import ABIError
 from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_kernels.model.forward import run_forward
 from dspark_kernels.model.tp import DistributedJob, launch, run_tp_inprocess
+from dspark_kernels.model.weights import ModelWeights, RandomSource
 
 from .conftest import Session
 
@@ -74,45 +77,74 @@ def test_inprocess_rank_failure_is_raised_not_hung():
         run_tp_inprocess(b, b.token_ids, s.weights, s.caches, logit_rows=[999])
 
 
+class CountingSource(RandomSource):
+    """TINY's random weights (seed 0: the values of :func:`tiny_weights`) that append every tensor a rank process
+    builds to ``log`` (one line per load, outside the process that made the source): how often the ranks build
+    their weights."""
+
+    def __init__(self, log: str):
+        super().__init__(TINY, 0, False)
+        self.log, self.home = log, os.getpid()
+
+    def load(self, name: str) -> np.ndarray:
+        if os.getpid() != self.home:
+            with open(self.log, "a") as f:
+                f.write(f"{os.getpid()} {name}\n")
+        return super().load(name)
+
+
+def _loads(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
 @pytest.mark.distributed
-def test_rank_group_mirrors_follow_the_allocator_by_deltas_alone():
-    """A serving loop's TP 2 group of rank processes (RankGroup): each process loads the persistent tables once and
-    advances its own mirror by every step's delta (``apply``), never receiving the tables again; over three steps
-    (new slots, ring pages leaving the window) every rank's results equal the in-process ranks' on the full form bit
-    for bit, and after the loop each rank's mirror equals the allocator's tables."""
+def test_rank_group_keeps_weights_caches_and_mirrors_resident(tmp_path):
+    """A serving loop's TP 2 group of rank processes (RankGroup) gets its weights, caches and persistent tables once,
+    at its start: each rank builds its weights once (the tensors loaded after the first step are all it ever
+    loads), writes its own caches in place and advances its own mirror by every step's delta; a step ships only
+    the step and its tokens and its results carry no caches. Over three steps (new slots, ring pages leaving the
+    window) every rank's results equal the in-process ranks' on the full form bit for bit, and at the end the
+    caches fetched from the group (rank 0's; every rank's replica equal by digest) equal the in-process ranks'
+    caches and each rank's mirror equals the allocator's tables."""
     from dspark_abi import BatchBuilder
-    from dspark_kernels.model.tp import RankGroup
+    from dspark_kernels.model.tp import GroupStep, RankGroup
 
     from .conftest import tokens_of
 
     s = Session(tp=2)
+    log = tmp_path / "loads.txt"
+    weights = ModelWeights(TINY, CountingSource(str(log)))
     builder = BatchBuilder(TINY, s.policy, s.alloc)
     steps = [[(0, 0, 150), (1, 0, 40)], [(0, 150, 70), (1, 40, 9), (2, 0, 33)], [(0, 220, 190), (2, 33, 100)]]
-    with RankGroup(2, s.alloc.persistent, timeout=LAUNCH_TIMEOUT_S) as group:
-        for requests in steps:
+    with RankGroup(2, s.alloc.persistent, weights, s.caches.copy(), timeout=LAUNCH_TIMEOUT_S) as group:
+        for n, requests in enumerate(steps):
             for queue in range(2):
                 for rid, cached, new in requests:
                     builder.add(rid, num_cached=cached, num_new=new, token_ids=tokens_of(rid)[cached:cached + new])
                 if queue == 0:
                     batch = builder.build()
             step = builder.build_step()
-            threads = run_tp_inprocess(batch, batch.token_ids, s.weights, s.caches.copy())
-            ranks = group.run(DistributedJob(step, step.token_ids, s.weights, s.caches), s.alloc.persistent.slots)
+            before = s.caches.copy()
+            threads = run_tp_inprocess(batch, batch.token_ids, s.weights, s.caches)   # rank 0 writes s.caches
+            ranks = group.run(GroupStep(step, step.token_ids), s.alloc.persistent.slots)
+            assert all(p.caches is None for p in ranks)          # the caches stay in the rank processes
             for p, t in zip(ranks, threads, strict=True):
                 np.testing.assert_array_equal(p.result.hidden, t.result.hidden)
                 np.testing.assert_array_equal(p.result.logits, t.result.logits)
-                for name, arr in p.caches.arrays().items():
-                    np.testing.assert_array_equal(arr, t.caches.arrays()[name], err_msg=name)
+            if n == 0:
+                built = _loads(log)
+                assert len({line.split()[0] for line in built}) == 2      # both ranks built their weights
             if requests is steps[-1]:       # a one-shot launch ships the step with the tables holding its delta
                 tables = s.alloc.persistent.copy()
                 tables.apply(step)
-                once = launch(DistributedJob(step, step.token_ids, s.weights, s.caches, tables=tables),
+                once = launch(DistributedJob(step, step.token_ids, s.weights, before, tables=tables),
                               timeout=LAUNCH_TIMEOUT_S)
                 for p, t in zip(once, threads, strict=True):
                     np.testing.assert_array_equal(p.result.logits, t.result.logits)
-            for name, array in s.caches.arrays().items():
-                array[...] = ranks[0].caches.arrays()[name]
             builder.commit(step)
+        assert _loads(log) == built           # steps 2 and 3 built nothing: the weights stayed resident
+        for name, array in group.caches().arrays().items():
+            np.testing.assert_array_equal(array, s.caches.arrays()[name], err_msg=name)
         want = s.alloc.persistent.to_arrays()
         for rank, mirror in enumerate(group.mirrors()):
             assert set(mirror) == set(want)
@@ -128,6 +160,39 @@ def test_rank_group_mirrors_follow_the_allocator_by_deltas_alone():
                 np.testing.assert_array_equal(mirror[name], array, err_msg=f"rank {rank} {name} after release")
 
 
+def fail_after_first_layer(done: int, total: int) -> None:
+    """An on_layer callback (it runs on rank 0 only): rank 0 fails after its first layer while rank 1 goes on to
+    the next layer's all-gather, which rank 0 never joins."""
+    raise RuntimeError(f"injected failure of rank 0 after layer {done} of {total}")
+
+
+#: Bound on a failed step: the group stops at once (FAILED_STOP_GRACE_S per rank), far below its timeout.
+FAILURE_BOUND_S = 30.0
+
+
+@pytest.mark.distributed
+def test_rank_group_one_rank_failure_stops_the_group_at_once():
+    """One rank fails in a step while the other waits in a collective: the caller gets the failed rank's error at
+    once (not after the group timeout), the group is stopped and refuses further calls."""
+    from dspark_abi import BatchBuilder
+    from dspark_kernels.model.tp import GroupStep, RankGroup
+
+    from .conftest import tokens_of
+
+    s = Session(tp=2)
+    builder = BatchBuilder(TINY, s.policy, s.alloc)
+    builder.add(0, num_cached=0, num_new=20, token_ids=tokens_of(0)[:20])
+    step = builder.build_step()
+    with RankGroup(2, s.alloc.persistent, s.weights, timeout=10 * FAILURE_BOUND_S) as group:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="injected failure of rank 0 after layer 1"):
+            group.run(GroupStep(step, step.token_ids, on_layer=fail_after_first_layer), s.alloc.persistent.slots)
+        assert time.monotonic() - t0 < FAILURE_BOUND_S
+        assert group.closed and not any(p.is_alive() for p in group._procs.processes)
+        with pytest.raises(RuntimeError, match="stopped"):
+            group.caches()
+
+
 @pytest.mark.distributed
 def test_rank_group_drafter_keeps_features_and_refuses_with_nothing_written():
     """The DSpark drafter in a RankGroup's rank processes (TP 2 over the group): a step's results carry no target
@@ -139,7 +204,7 @@ def test_rank_group_drafter_keeps_features_and_refuses_with_nothing_written():
     group keeps serving."""
     from dspark_abi import BatchBuilder
     from dspark_kernels.drafter import DSparkDrafter
-    from dspark_kernels.model.tp import RankGroup
+    from dspark_kernels.model.tp import GroupStep, RankGroup
 
     from .conftest import tokens_of
     from .test_drafter import K_DRAFT
@@ -157,9 +222,9 @@ def test_rank_group_drafter_keeps_features_and_refuses_with_nothing_written():
     assert single.recipe is not None
     threads = run_tp_inprocess(batch, batch.token_ids, s.weights, s.caches.copy())[0].result
     starts = batch.query_start_loc.tolist()
-    with RankGroup(2, s.alloc.persistent, timeout=LAUNCH_TIMEOUT_S) as group:
-        group.attach_drafter(single.recipe, s.weights)
-        ranks = group.run(DistributedJob(step, step.token_ids, s.weights, s.caches), s.alloc.persistent.slots)
+    with RankGroup(2, s.alloc.persistent, s.weights, timeout=LAUNCH_TIMEOUT_S) as group:
+        group.attach_drafter(single.recipe)                   # on the ranks' resident target weights
+        ranks = group.run(GroupStep(step, step.token_ids), s.alloc.persistent.slots)
         assert all(r.result.target_hidden is None and r.result.target_hidden_hc_head is None for r in ranks)
         np.testing.assert_array_equal(ranks[0].result.logits, threads.logits)   # the step ran as before
         builder.commit(step)
