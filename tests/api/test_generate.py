@@ -346,16 +346,23 @@ def test_dspark_drafter_runs_in_the_rank_processes(weights):
     target features), not in the caller. Tokens equal plain greedy decoding; every step's rows (so every draft)
     and the acceptance equal the same loop's with the drafter as a single group in the caller (threads TP, the
     ranks' arithmetic; the drafter's TP drafts equal its single group's: tests/model/test_drafter.py); no step
-    brings target features back to the caller, whose drafter is never called."""
+    brings target features back to the caller, whose drafter is never called. The ranks keep the caches resident;
+    the caller's ``caches`` come back once, at the end, equal to the threads loop's bit for bit."""
     from dspark_kernels.speculative import greedy_decode
 
     short = [prompts()[0], prompts()[1][:9]]
     reference = greedy_decode(short, weights, 6, tp=2, tp_mode="threads")
     single = generate(short, weights, dspark(weights), 6, B, tp=2, tp_mode="threads", prefill_chunk=CHUNK)
     caller = dspark(weights)
-    got = generate(short, weights, caller, 6, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
+    alloc = BlockAllocator(CFG, pool_blocks_for(CFG, [p.size + 6 + B + 1 for p in short], slack=8))  # _runner's
+    caches = ModelCaches.allocate(CFG, alloc.pool_blocks)
+    got = generate(short, weights, caller, 6, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK,
+                   allocator=alloc, caches=caches)
     for i, tokens in reference.tokens.items():
         np.testing.assert_array_equal(got.tokens[i], tokens)
+    assert got.caches is caches and caches.arrays().keys() == single.caches.arrays().keys()
+    for name, array in single.caches.arrays().items():    # the same ranks' arithmetic on the same steps
+        np.testing.assert_array_equal(caches.arrays()[name], array, err_msg=name)
     assert len(got.steps) == len(single.steps) and got.accepted_lengths == single.accepted_lengths
     for mine, theirs in zip(got.steps, single.steps, strict=True):
         np.testing.assert_array_equal(mine.batch.token_ids, theirs.batch.token_ids)   # anchors and drafts

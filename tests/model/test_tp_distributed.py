@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tolerances import forward_reductions, order_atol
 
-from dspark_abi import ABIError
+from dspark_abi import ABIError, Issue
 from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_kernels.model.forward import run_forward
 from dspark_kernels.model.tp import DistributedJob, launch, run_tp_inprocess
@@ -191,6 +191,47 @@ def test_rank_group_one_rank_failure_stops_the_group_at_once():
         assert group.closed and not any(p.is_alive() for p in group._procs.processes)
         with pytest.raises(RuntimeError, match="stopped"):
             group.caches()
+
+
+class SplitDrafter:
+    """A drafter whose ranks disagree: rank 0 refuses every draft (an ABIError, as a drafter's check would), the
+    other ranks enter the draft's first all-gather, which rank 0 never joins."""
+
+    def attach(self, tables) -> None:
+        pass
+
+    def draft(self, request_ids, anchors, anchor_positions):
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            raise ABIError([Issue("drafter.unknown_request", "request_ids", "refused by rank 0 only",
+                                  expected="a known request", actual=list(request_ids))])
+        dist.all_gather([torch.zeros(1) for _ in range(dist.get_world_size())], torch.zeros(1))
+
+
+class SplitRecipe:
+    """Builds a :class:`SplitDrafter` in each rank process (what ``RankGroup.attach_drafter`` calls)."""
+
+    def build(self, weights, *, tp: int, tp_mode: str) -> SplitDrafter:
+        return SplitDrafter()
+
+
+@pytest.mark.distributed
+def test_rank_group_refusal_of_one_rank_stops_the_group_at_once():
+    """One rank refuses (an ABIError) while the other waits in a collective: the caller gets the refusal after
+    the peers' grace (PEER_ANSWER_GRACE_S), not after the group timeout, and the group is stopped."""
+    from dspark_kernels.model.tp import PEER_ANSWER_GRACE_S, RankGroup
+
+    s = Session(tp=2)
+    with RankGroup(2, s.alloc.persistent, s.weights, timeout=10 * FAILURE_BOUND_S) as group:
+        group.attach_drafter(SplitRecipe())
+        t0 = time.monotonic()
+        with pytest.raises(ABIError) as err:
+            group.drafter_draft([0], np.array([1]), np.array([4]))
+        assert [i.message for i in err.value.issues] == ["refused by rank 0 only"]
+        assert PEER_ANSWER_GRACE_S <= time.monotonic() - t0 < FAILURE_BOUND_S
+        assert group.closed and not any(p.is_alive() for p in group._procs.processes)
 
 
 @pytest.mark.distributed
