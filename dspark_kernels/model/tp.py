@@ -470,6 +470,12 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
         dist.destroy_process_group()
 
 
+def _unpickled(exc: BaseException) -> BaseException:
+    """A rank's exception as raised there: an :class:`ABIError` is rebuilt from its issues (unpickling restores
+    them, but its message was rendered from the pickled message string, not from the issues)."""
+    return ABIError(exc.issues) if isinstance(exc, ABIError) and type(exc) is ABIError else exc
+
+
 class RankGroup:
     """``tp_size`` rank processes on ``torch.distributed`` that live across steps (a serving loop's TP group).
 
@@ -598,7 +604,7 @@ class RankGroup:
         exits, a refusal the other ranks do not answer within ``peer_grace`` seconds (they wait in a collective)
         and the group ``timeout`` stop the group at once and raise."""
         got: dict[int, Any] = {}
-        refused: dict[int, ABIError] = {}
+        refused: dict[int, BaseException] = {}   # ABIErrors
         deadline = time.monotonic() + self.timeout
         grace_end: float | None = None          # set by the first refusal
         while len(got) + len(refused) < self.tp_size:
@@ -622,9 +628,9 @@ class RankGroup:
                 continue
             if what == "error":
                 self.close(grace=FAILED_STOP_GRACE_S)
-                raise value
+                raise _unpickled(value)
             if what == "refused":
-                refused[rank] = value
+                refused[rank] = _unpickled(value)
                 if grace_end is None:
                     grace_end = time.monotonic() + self.peer_grace
             elif what == kind:

@@ -227,7 +227,7 @@ def test_rank_group_refusal_of_one_rank_stops_the_group_at_once():
     with RankGroup(2, s.alloc.persistent, s.weights, timeout=10 * FAILURE_BOUND_S) as group:
         group.attach_drafter(SplitRecipe())
         t0 = time.monotonic()
-        with pytest.raises(ABIError) as err:
+        with pytest.raises(ABIError, match=r"drafter\.unknown_request: request_ids: refused by rank 0 only") as err:
             group.drafter_draft([0], np.array([1]), np.array([4]))
         assert [i.message for i in err.value.issues] == ["refused by rank 0 only"]
         assert PEER_ANSWER_GRACE_S <= time.monotonic() - t0 < FAILURE_BOUND_S
