@@ -454,7 +454,7 @@ class _Runner:
     def close(self, *, failed: bool = False) -> None:
         """Stop the distributed mode's rank processes, if any, after copying their caches (rank 0's) into
         ``caches``: the one time they come back. failed: the loop is failing; a group that no longer answers
-        (a rank failed) leaves ``caches`` as of the group's start, and no error of the fetch replaces the loop's."""
+        (a rank failed) leaves ``caches`` as they are, and no error of the fetch replaces the loop's."""
         group, self.group = self.group, None
         if group is None:
             return
@@ -773,9 +773,10 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     step writes them, or a one-shot launch per step copies rank 0's back). In ``"distributed"`` mode on the
     persistent form the rank processes keep the weights and caches resident and write their own copies, so
     ``caches`` are current when ``generate`` returns (rank 0's come back once, at the end), when it raises while
-    the group still answers (a failed step, on_step or a drafter's error; not a crashed rank, which leaves them
-    as of the loop's start), and inside ``on_step`` (the hook costs a round trip of every pool per step: what it
-    writes reaches the ranks).
+    the group still answers (an error in this process: ``on_step``, the acceptance, a commit, a drafter's
+    refusal), and inside ``on_step`` (the hook costs a round trip of every pool per step: what it writes reaches
+    the ranks). A rank that fails stops the group and its caches are lost: ``caches`` then stay as the loop's
+    start (or the last ``on_step``) left them.
     tables: the block-table form of the steps (:data:`TABLE_FORMS`): ``"persistent"`` (default; every step is
     ``build_step()``'s, the kernels read the persistent tables, ``StepRecord.batch`` is the step's own rows) or
     ``"full"``; both give the same tokens.
