@@ -455,7 +455,11 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
                     out.put(("caches", rank, (resident.caches if rank == 0 else None,
                                               caches_digest(resident.caches))))
                 elif kind == "set_caches":
-                    resident.set_caches(payload)
+                    try:
+                        resident.set_caches(payload)
+                    except ABIError as exc:   # other pools: refused with nothing written, the rank keeps serving
+                        out.put(("refused", rank, exc))
+                        continue
                     out.put(("set_caches", rank, None))
                 else:
                     step, slots = payload

@@ -18,6 +18,7 @@ from tolerances import forward_reductions, order_atol
 
 from dspark_abi import ABIError, Issue
 from dspark_abi.presets import TINY, TINY_DSPARK
+from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import run_forward
 from dspark_kernels.model.tp import DistributedJob, launch, run_tp_inprocess
 from dspark_kernels.model.weights import ModelWeights, RandomSource
@@ -143,6 +144,10 @@ def test_rank_group_keeps_weights_caches_and_mirrors_resident(tmp_path):
                     np.testing.assert_array_equal(p.result.logits, t.result.logits)
             builder.commit(step)
         assert _loads(log) == built           # steps 2 and 3 built nothing: the weights stayed resident
+        other = ModelCaches.allocate(TINY, {name: 1 for name in s.alloc.pool_blocks.as_dict()})
+        with pytest.raises(ABIError) as err:  # other pools: refused by every rank, nothing written, still serving
+            group.set_caches(other)
+        assert [(i.code, i.field) for i in err.value.issues] == [("config.mismatch", "caches")]
         for name, array in group.caches().arrays().items():
             np.testing.assert_array_equal(array, s.caches.arrays()[name], err_msg=name)
         want = s.alloc.persistent.to_arrays()
