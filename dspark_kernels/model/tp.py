@@ -5,8 +5,10 @@
 * Multi-process (:func:`launch`): one process per rank on ``torch.distributed`` (backend ``gloo`` on CPU,
   ``hccl`` on Ascend with ``device="npu"``); the all-gathers are real collectives. Processes are started with
   ``torch.multiprocessing`` spawn, or by ``torchrun`` calling :func:`run_rank` in each process.
+* A serving loop's group (:class:`RankGroup`): rank processes that live across steps, with the weights, the
+  caches and a mirror of the persistent tables resident in each; a step ships only itself and its inputs.
 
-Both run the attention of every layer on the chosen ``backend`` ('reference' or 'pypto', as
+All run the attention of every layer on the chosen ``backend`` ('reference' or 'pypto', as
 :func:`dspark_kernels.prefill`); the pypto backend runs each layer's kernels in a child process
 (:mod:`dspark_kernels.pypto.isolate`), so threads and rank processes never share a pypto runtime.
 
