@@ -464,6 +464,8 @@ class DeltaCells(_PerPool):
     hca_state: np.ndarray = _afield("hca_state")
     # (cells per pool, the [M, 3] array whose consecutive slices the fields are) when made by from_cells
     _joined: tuple[list[int], np.ndarray] | None = attrs.field(init=False, default=None, eq=False, repr=False)
+    # pooled()'s arrays, made on first use
+    _pooled: PooledCells | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @classmethod
     def from_cells(cls, cells: Mapping[PoolName, Cells]) -> DeltaCells:
@@ -479,9 +481,17 @@ class DeltaCells(_PerPool):
         object.__setattr__(out, "_joined", (sizes, frozen))      # the fields are its slices: nothing to join again
         return out
 
-    def pooled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def pooled(self) -> PooledCells:
         """(pool index, slot, page, block) int64 of the seven pools' cells, pools in ABI order (one array with a
-        pool column, the form the checks read)."""
+        pool column, the form the checks read); made once per object (its arrays are read-only)."""
+        pooled = self._pooled
+        if pooled is None:
+            pool, slot, page, block = self._pool_columns()
+            pooled = (_readonly(pool), _readonly(slot), _readonly(page), _readonly(block))
+            object.__setattr__(self, "_pooled", pooled)
+        return pooled
+
+    def _pool_columns(self) -> PooledCells:
         if self._joined is not None:
             sizes, joined = self._joined
         else:
