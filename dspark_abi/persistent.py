@@ -168,6 +168,7 @@ class PersistentTables:
         #: [sum(B_p)] int32 slot holding each block of each pool, pool-major (-1 = free: the proof that no block is
         #: held twice); ``_owner_at[i]`` where pool i's blocks start, ``_owner[p]`` the views
         self._owners = np.full(sum(blocks), -1, np.int32)
+        self._n_blocks = np.array(blocks, np.int64)
         self._owner_at = np.cumsum([0, *blocks[:-1]], dtype=np.int64)
         #: [2, 7, S] int64 the runs (first, end) of every pool and slot: one array, so that a step gathers its slots'
         #: runs of all pools in one call; ``_first[p]`` / ``_end[p]`` are views of its rows (written in place)
@@ -194,7 +195,7 @@ class PersistentTables:
         dictionaries, updated in place: the owning allocator aliases them)."""
         slots = self._runs.shape[2]
         self._table_at = slots * self._width_at
-        stop = self._owner_at.tolist()[1:] + [self._owners.size]
+        stop = [*self._owner_at.tolist()[1:], self._owners.size]
         for i, p in enumerate(POOL_NAMES):
             at, width = int(self._table_at[i]), int(self._widths[i])
             self._tables[p] = self._flat[at: at + slots * width].reshape(slots, width)
@@ -205,7 +206,8 @@ class PersistentTables:
         """Index in ``_flat`` of each cell (pool index, slot, logical page): the page's column in its pool's table
         (``page mod w_p``: a compressed page lies below its width). One call for the cells of every pool."""
         width = self._widths[pool]
-        return self._table_at[pool] + slot * width + page % width
+        at: np.ndarray = self._table_at[pool] + slot * width + page % width
+        return at
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled and deep-copied without the per-pool views (rebound to the copied stores by ``__setstate__``)."""
@@ -481,6 +483,25 @@ class DeltaCells(_PerPool):
         object.__setattr__(out, "_joined", (sizes, frozen))      # the fields are its slices: nothing to join again
         return out
 
+    @classmethod
+    def from_pooled(cls, cells: PooledCells) -> DeltaCells:
+        """From the seven pools' cells as (pool index, slot, page, block), pool-major (the allocator's plan): one
+        [M, 3] int32 array written and frozen once, each pool's field its slice; :meth:`pooled` gives read-only
+        copies of the four columns (kept, not derived again)."""
+        pool, slot, page, block = cells
+        joined = np.empty((pool.size, 3), np.int32)
+        for k, column in enumerate((slot, page, block)):
+            joined[:, k] = column
+        frozen = freeze(joined)
+        bounds = np.searchsorted(pool, np.arange(8)).tolist()
+        out = cls(**{p: frozen[bounds[i]:bounds[i + 1]] for i, p in enumerate(POOL_NAMES)})
+        sizes = [bounds[i + 1] - bounds[i] for i in range(7)]
+        wide = frozen.astype(np.int64)                 # the columns as the fields hold them, one copy, read-only
+        wide.flags.writeable = False
+        object.__setattr__(out, "_joined", (sizes, frozen))
+        object.__setattr__(out, "_pooled", (_readonly(pool.astype(np.int64)), wide[:, 0], wide[:, 1], wide[:, 2]))
+        return out
+
     def pooled(self) -> PooledCells:
         """(pool index, slot, page, block) int64 of the seven pools' cells, pools in ABI order (one array with a
         pool column, the form the checks read); made once per object (its arrays are read-only)."""
@@ -735,7 +756,7 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     first, end = now[0].reshape(-1), now[1].reshape(-1)                              # [7 * R], pool-major
     width = tables._widths
     ring = layout.columns.ring[:, 0]
-    n_blocks = np.array([tables.pool_blocks[p] for p in POOL_NAMES], np.int64)
+    n_blocks = tables._n_blocks
 
     r_pool, r_slot, r_page, r_block = step.released.pooled()
     r_req, r_in = _in_step(index, r_slot)
