@@ -972,7 +972,8 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
 
     derived: the step was just assembled by ``BatchBuilder.build_step`` under the allocator's lock, its arrays in
     their declared dtypes and its slot mappings read from these very tables and delta by :func:`written_slots` (the
-    one home of that lookup): the shapes and the per-row slot lookups are not repeated (the full form's builder
+    one home of that lookup), its ``query_start_loc`` and row owners written from one request record: the shapes, the
+    per-row slot lookups and the rows' owners are not derived again (the full form's builder
     skips re-validating the arrays it validated the same way). The slots, generations, delta, token rules and
     coverage are checked either way."""
     if not derived:
@@ -989,7 +990,7 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
         issues, config=step.config, policy=step.policy, qsl=qsl, n_tokens=n, n_rows=step.positions.size,
         positions=step.positions, slots={p: s for p, s in step.slots.items()}, token_ids=step.token_ids,
         logit_rows=step.logit_rows, hidden=None, verify_widths=step.verify_widths, logit_mode=step.logit_mode,
-        ring_widths=widths)
+        ring_widths=widths, row_request=step.row_request[:n] if derived else None)
     if issues:      # a malformed delta or token rule: the rows' cells are not worth looking up
         return ValidationReport(tuple(issues)), runs
     window = step.config.sliding_window
