@@ -38,7 +38,6 @@ from dspark_abi.persistent import PersistentTables, PooledCells, narrow_tables, 
 from dspark_abi.pools import PoolBlocks
 
 Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
-_EMPTY = np.zeros(0, np.int64)
 
 
 @attrs.frozen
@@ -67,11 +66,11 @@ class StepPlan:
     release_cells: dict[PoolName, Cells]
     ends: np.ndarray
     mapped: dict[PoolName, tuple[np.ndarray, np.ndarray]]
+    runs: np.ndarray
+    map_pooled: PooledCells
+    release_pooled: PooledCells
     owner: object = None
     generation: int = -1
-    runs: np.ndarray = attrs.field(factory=lambda: np.zeros((2, 7, 0), np.int64))
-    map_pooled: PooledCells = attrs.field(factory=lambda: (_EMPTY,) * 4)
-    release_pooled: PooledCells = attrs.field(factory=lambda: (_EMPTY,) * 4)
 
 
 class BlockAllocator:
@@ -349,9 +348,9 @@ class BlockAllocator:
             mapped[p] = (after_first[i], after_end[i])
         if short:
             raise ABIError(short)
-        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped,
-                        owner=self._token, generation=self._generation, runs=runs,
-                        map_pooled=(m_pool, m_rows, m_page, m_block), release_pooled=(r_pool, r_rows, r_page, r_block))
+        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped, runs=runs,
+                        map_pooled=(m_pool, m_rows, m_page, m_block), release_pooled=(r_pool, r_rows, r_page, r_block),
+                        owner=self._token, generation=self._generation)
 
     # ------------------------------------------------------------------ mutation
     def commit(self, plan: StepPlan) -> None:

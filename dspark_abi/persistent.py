@@ -148,6 +148,10 @@ class PersistentTables:
     - ``generations``: [S] int64, advanced whenever the slot is released (or recycled).
     - ``holders``: [S] int64 request id of the slot's request; ``in_use`` [S] bool (False: a free slot).
 
+    Storage: the seven tables are views of one flat int32 store, the seven block-owner arrays of another and the
+    runs of one [2, 7, S] array, so that a step reads or writes the cells of every pool in one numpy call (a cell
+    (pool, slot, page) is one index into the store).
+
     Readers get read-only views; only :meth:`apply` (a step's delta), :meth:`release` and the owning
     :class:`~dspark_abi.allocator.BlockAllocator` write, in place. A :class:`BlockAllocator` owns one
     (:attr:`BlockAllocator.persistent`); :meth:`from_arrays` loads (and proves) one, e.g. a device mirror."""
@@ -822,15 +826,6 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     np.copyto(runs[0].reshape(-1), np.where(grew, new_first, after_first))
     np.copyto(runs[1].reshape(-1), np.where(grew, new_end, end))
     return issues, runs
-
-
-def _segments(pool: np.ndarray, mask: np.ndarray) -> list[tuple[PoolName, np.ndarray]]:
-    """Per pool with cells under ``mask``: (pool, their indices) (pool-major cells: one slice each)."""
-    if not mask.any():
-        return []
-    at = np.flatnonzero(mask)
-    bounds = np.searchsorted(pool[at], np.arange(8))
-    return [(p, at[bounds[i]:bounds[i + 1]]) for i, p in enumerate(POOL_NAMES) if bounds[i + 1] > bounds[i]]
 
 
 def _flag_pools(issues: list[Issue], code: str, specs: Mapping[PoolName, FieldSpec], pool: np.ndarray,
