@@ -158,12 +158,13 @@ def check_verify(issues: list[Issue], *, config: ModelConfig, qsl: np.ndarray, s
               f"a verify request's rows must stay below max_position_embeddings={max_pos}", request_of=request,
               expected=f"<= {max_pos}", actual=start + width)
         widest = int(np.where(verify & (width == lengths), width, 0).max(initial=0))
+        pools = config.layout.pools             # looked up once: the layout is a cached derivation, not free
         for pool, columns in ring_widths.items():
-            need = verify_headroom(config.layout.pools[pool], widest)
+            need = verify_headroom(pools[pool], widest)
             if columns < need:
                 issues.append(Issue(
                     "verify.ring_headroom", TABLE_FIELDS[pool], f"ring table has {columns} columns, fewer than the "
-                    f"headroom of a {widest}-row verify request (reach {config.layout.pools[pool].reach} + {widest} "
+                    f"headroom of a {widest}-row verify request (reach {pools[pool].reach} + {widest} "
                     "positions): a rejected draft's row could alias a row the next step reads",
                     expected=f">= {need}", actual=columns,
                     fix=f"give {TABLE_FIELDS[pool]} at least {need} columns"))
