@@ -24,10 +24,12 @@ field                   what, and where it comes from
                         0 on padding rows
 ``window``              [rows, W] int64 physical ``ori`` rows of each query row's sliding window, oldest first
                         (:func:`window_key_rows`); -1 = none
-``entry_rows[pool]``    [rows, Vmax] int64 physical rows of every visible compressed entry of each query row
-                        through its request's table, for ``hca_cmp`` (HCA's dense entries) and ``idx`` (the
-                        lightning indexer's candidates): :func:`visible_entry_rows`;
-                        :meth:`entry_rows_in` trims a row range to its widest count
+``entry_rows_in``       [hi - lo, V] int64 physical rows of every visible compressed entry of query rows
+                        ``[lo, hi)`` through their request's table, for ``hca_cmp`` (HCA's dense entries) and
+                        ``idx`` (the lightning indexer's candidates), V their widest count
+                        (:func:`visible_entry_rows`): derived per call, for the row tile a kernel reads, never for
+                        the whole batch (at 1M positions a row sees up to 262,144 ``idx`` entries: [rows, V] of
+                        every query row would be gigabytes, and the plan would cost seconds)
 ``state_windows[pool]`` the boundary rows of each compressor state pool (``csa_state``, ``csa_inner_state``,
                         ``hca_state``) and the state rows [B, span] of their windows (:class:`StateWindows`)
 ``rope[kind]``          RoPE cos / sin [P, rd/2] at the positions, per layer kind of the schedule, in the
@@ -279,7 +281,6 @@ class BatchPlan:
     boundaries: dict[int, np.ndarray]
     visible: dict[int, np.ndarray]
     window: np.ndarray
-    entry_rows: dict[str, np.ndarray]
     state_windows: dict[str, StateWindows]
     rope: dict[LayerKind, RopeRows]
     window_rope: dict[int, RopeRows]
@@ -343,9 +344,6 @@ class BatchPlan:
         pools = config.layout.pools
         window = _frozen(window_key_rows(positions[lo:hi], table_row[lo:hi], tables["ori"], config.sliding_window,
                                          pools["ori"].page_size))
-        entry_rows = {pool: _frozen(visible_entry_rows(visible[pools[pool].ratio][lo:hi], table_row[lo:hi],
-                                                       tables[pool], pools[pool].page_size))
-                      for kind, pool in ENTRY_POOLS.items() if kind in kinds}
         compressors = [(f"{kind}_state", m) for kind, m in kinds.items() if m]
         compressors += [("csa_inner_state", INDEX_RATIO)] if "csa" in kinds else []
         state_windows = {pool: StateWindows(*(_frozen(a) for a in window_state_rows(
@@ -353,7 +351,7 @@ class BatchPlan:
         return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
                    request=request, tables=tables, table_row=table_row, run_starts=_frozen(run_starts),
                    run_stops=_frozen(run_stops), run_requests=_frozen(run_requests), boundaries=boundaries,
-                   visible=visible, window=window, entry_rows=entry_rows, state_windows=state_windows, rope=rope,
+                   visible=visible, window=window, state_windows=state_windows, rope=rope,
                    window_rope=window_rope)
 
     @classmethod
@@ -404,11 +402,22 @@ class BatchPlan:
         return self.window[self.query_slice(lo, hi)]
 
     def entry_rows_in(self, pool: str, lo: int, hi: int) -> np.ndarray:
-        """[hi - lo, V] int64 ``entry_rows[pool]`` of group query rows ``[lo, hi)``, V = their widest visible count
-        (the columns beyond it are -1 in every one of these rows)."""
-        ratio = self.config.layout.pools[pool].ratio
-        columns = int(self.visible[ratio][lo:hi].max(initial=0))
-        return self.entry_rows[pool][self.query_slice(lo, hi), :columns]
+        """[hi - lo, V] int64 physical rows of every visible entry of compressed pool ``pool`` (``idx``,
+        ``hca_cmp``, ``csa_cmp``) of group query rows ``[lo, hi)`` through their table rows, V = their widest visible
+        count; -1 beyond a row's count, unmapped or on padding rows (:func:`visible_entry_rows`). Derived per call:
+        O((hi - lo) x V), the size of what the caller then gathers, never O(rows x context) for the whole batch."""
+        pl = self.config.layout.pools[pool]
+        return visible_entry_rows(self.visible[pl.ratio][lo:hi], self.table_row[lo:hi], self.tables[pool],
+                                  pl.page_size)
+
+    @property
+    def entry_rows(self) -> dict[str, np.ndarray]:
+        """pool -> [rows, Vmax] :meth:`entry_rows_in` of every query row, for the compressed pools the schedule's
+        layer kinds read (:data:`ENTRY_POOLS`). Derived on each access, O(rows x Vmax) memory: for inspection and
+        tests; kernels read :meth:`entry_rows_in` per row tile."""
+        kinds = {self.config.layer_kind(i) for i in range(len(self.config.compress_ratios))}
+        return {pool: self.entry_rows_in(pool, self.row_start, self.row_stop)
+                for kind, pool in ENTRY_POOLS.items() if kind in kinds}
 
     def runs_in(self, lo: int, hi: int) -> list[Run]:
         """The runs of group rows ``[lo, hi)``: ``(start, stop, request)`` relative to ``lo``, ascending.
