@@ -225,6 +225,15 @@ class PersistentTables:
             setattr(self, name, {})
         self._bind()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PersistentTables:
+        """A deep copy of the state that shares the immutable config, layout and pool sizes (a copy of the config
+        would be equal but not identical, and every step's config check would then compare it field by field)."""
+        for shared in (self.config, self.layout, self.pool_blocks):
+            memo.setdefault(id(shared), shared)
+        out = self.__class__.__new__(self.__class__)
+        out.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return out
+
     # ------------------------------------------------------------------ reading
     @property
     def slots(self) -> int:

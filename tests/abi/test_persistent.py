@@ -343,6 +343,7 @@ def test_flat_stores_stay_the_live_storage_through_growth_copy_and_pickle():
         assert t.prove() == []
     for a, b in ((copies[0], copies[1]), (copies[0], copies[2])):
         assert not np.shares_memory(a._flat, b._flat) and not np.shares_memory(a._owners, b._owners)
+    assert copies[1].config is tables.config and copies[1].pool_blocks is tables.pool_blocks   # immutable: shared
     # a step built and committed after all this writes the allocator's live tables (the copies stay as they were)
     frozen = {p: copies[1].table(p).copy() for p in POOL_NAMES}
     _, step = loop.both()
