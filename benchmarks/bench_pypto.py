@@ -44,8 +44,10 @@ sorts them in four column tiles of 4,096 and merges the winners, ``dspark_kernel
 per part (three drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule,
 the verify step's once-per-call stages) and in total, per die, with the round's ms per die and the tokens/s per die
 it gives between every first draft rejected (R tokens per round) and every draft accepted (R x (1 + K)). The
-Markov and confidence heads run on the host (no kernel) and are not priced, nor is the drafter's observe of the
-accepted rows.
+drafter's head includes its Markov head (one call: the B block rows left to right) and confidence head; the round
+ends with the drafter's observe of the accepted rows (at most K + 1 per request: ``main_x`` and each stage's window
+keys, the shared kv kernel at the verify step's P, whose cycles the verify table holds). Not priced: the FP8 step
+of the drafter's keys (on the host) and the all-gathers.
 
 Usage: python benchmarks/bench_pypto.py [--quick] [--rows P] [--layer-rows P] [--tp TP] [--requests R]
 [--stages ...] [--tables-only] [--round] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;

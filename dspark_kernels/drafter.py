@@ -25,11 +25,14 @@ The choice is greedy (the first maximum): DeepSeek's ``forward_head`` samples ea
 Backends: the stages shared with the target run on the drafter's :class:`~dspark_kernels.model.backends.Backend`
 (``backend="pypto"``: the pypto kernels, in their ``a2a3`` numerics): hc_pre with the fused attn_norm / ffn_norm,
 hc_post, the MoE (gate, routed and shared experts), the head's hc_head and hc_head + RMSNorm, and the LM head's
-logits; and the draft attention, registered per backend in :data:`DRAFT_ATTENTION` (on pypto
-:mod:`dspark_kernels.pypto.draft_attention`: its key set, ring slots plus block rows, non-causal, is the
-sparse-attention kernel's window + entry-row form). These run on the host in numpy on every backend
-(reference-only: no pypto kernel computes them yet): ``main_x`` (main_proj + RMSNorm) and the window keys of
-``observe``, the Markov head's left-to-right biased argmax and the confidence head.
+logits. The drafter's own stages are registered per backend in :data:`DRAFTER_STAGES`: ``main_x``
+(:mod:`dspark_kernels.reference.observe`; on pypto :mod:`dspark_kernels.pypto.observe`, the shared kv kernel
+without RoPE), the window keys of ``observe`` (the target's shared kv kernel on pypto), the draft attention (on
+pypto :mod:`dspark_kernels.pypto.draft_attention`: its key set, ring slots plus block rows, non-causal, is the
+sparse-attention kernel's window + entry-row form) and the Markov and confidence heads
+(:mod:`dspark_kernels.reference.markov`; on pypto :mod:`dspark_kernels.pypto.markov`, the B rows left to right
+inside one kernel). On every backend the FP8 step of the drafter's keys runs on the host in numpy (the target's
+a2a3 kernels have none to reuse).
 
 All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
 rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
@@ -146,7 +149,8 @@ class DSparkDrafter:
     config: the target's DSpark :class:`ModelConfig` (``dspark_*`` keys, ``n_mtp_layers``); weights: the
     :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
     precision: ``"fp32"`` (default), ``"deepseek"`` (the release's bf16 activations and FP8 inputs) or ``"a2a3"``
-    (the a2a3 kernels' numerics in the stages shared with the target; ``main_proj`` and the heads in fp32);
+    (the a2a3 kernels' numerics: bf16 weights and activations between stages, ``main_x`` included, fp32
+    accumulation; the Markov and confidence heads in fp32);
     backend: a :class:`Backend`, or a registry name (``"reference"``, ``"pypto"``: resolved for ``precision``,
     ``config.invalid`` when the backend cannot compute it; the pypto kernels compute ``"a2a3"``), default the
     reference;

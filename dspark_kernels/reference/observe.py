@@ -5,8 +5,9 @@
 hidden). Per precision:
 
 * ``"fp32"``: float32 throughout.
-* ``"a2a3"``: the a2a3 kernels' numerics: ``main_proj`` read in bf16 (bf16-rounded, as the target's bf16
-  projection weights), the product accumulated in fp32, the fp32 RMSNorm, and ``main_x`` rounded to bf16, the
+* ``"a2a3"``: the a2a3 kernels' numerics: the features and ``main_proj`` read in bf16 (bf16-rounded: the
+  target's a2a3 features are bf16 values already; ``main_proj`` as the target's bf16 projection weights), the
+  product accumulated in fp32, the fp32 RMSNorm, and ``main_x`` rounded to bf16, the
   activation every a2a3 kernel hands the next (the shared kv kernel that computes the window keys reads bf16 rows).
 * ``"deepseek"``: the official inference: an FP8 ``main_proj`` quantises its input in 1x128 blocks, the GEMM's
   output and the norm's are bf16.
@@ -33,5 +34,5 @@ def main_x(features: np.ndarray, main_proj: np.ndarray, main_norm: np.ndarray, e
         a = ds.act_quant(features) if fp8 else features
         return narrow(rms_norm(bf16_round(linear(a, main_proj)), main_norm, eps), precision)
     if precision == "a2a3":
-        return bf16_round(rms_norm(linear(features, bf16_round(main_proj)), main_norm, eps))
+        return bf16_round(rms_norm(linear(bf16_round(features), bf16_round(main_proj)), main_norm, eps))
     return rms_norm(linear(features, main_proj), main_norm, eps)

@@ -33,7 +33,7 @@ from drafter_steps import Steps
 from tolerances import BF16_ATOL, BF16_ATOL_CANCELLING, BF16_RTOL, MAX_DIFFERING_FRACTION, order_atol
 
 from dspark_abi import ABIError
-from dspark_abi.presets import TINY_DSPARK
+from dspark_abi.presets import FLASH_DSPARK, TINY_DSPARK
 from dspark_kernels.drafter import DSparkDrafter
 from dspark_kernels.model.drafter_weights import DrafterWeights, stage_config
 from dspark_kernels.model.numerics import bf16_round
@@ -43,8 +43,10 @@ from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.pypto.backend import PyptoBackend
 from dspark_kernels.pypto.draft_attention import block_attention_isolated
 from dspark_kernels.pypto.markov import markov_heads_isolated
+from dspark_kernels.pypto.observe import main_x_isolated
 from dspark_kernels.reference.draft_attention import block_attention
 from dspark_kernels.reference.markov import markov_heads
+from dspark_kernels.reference.observe import main_x
 
 pytestmark = pytest.mark.pypto
 
@@ -227,3 +229,24 @@ def test_pypto_markov_heads_equal_the_reference():
                                  order_atol(want_conf, D + C.dspark_markov_rank, 2) + np.finfo(np.float32).tiny)
     # the bias matters: without it the drafts are the base logits' argmax, which differ here
     assert not np.array_equal(want_tokens, np.argmax(logits, axis=-1))
+
+
+def test_pypto_main_x_matches_the_reference_at_flash_width():
+    """main_x at FLASH-DSpark's widths (T*D = 3 x 4096 -> D = 4096; the linear + norm kernel unsplit over K, its D
+    has 16 output tiles) against the reference's a2a3 main_x. Two fp32 orders of a K-long dot product differ by
+    ~sqrt(K) u sum|x w| (random-walk rounding; 4x margin), scaled by the RMS normalisation and the norm weight;
+    then each side rounds to bf16 (one step of the value), on at most MAX_DIFFERING_FRACTION of the elements."""
+    width, d, rows = len(FLASH_DSPARK.dspark_target_layers) * FLASH_DSPARK.hidden_size, FLASH_DSPARK.hidden_size, 8
+    rng = np.random.default_rng(7)
+    x = bf16_round(rng.standard_normal((rows, width)).astype(np.float32))
+    w = bf16_round((rng.standard_normal((d, width)) / np.sqrt(width)).astype(np.float32))
+    norm = bf16_round(rng.uniform(0.5, 1.5, d).astype(np.float32))
+    eps = FLASH_DSPARK.rms_norm_eps
+    got = main_x_isolated(x, w, norm, eps, "a2a3")
+    want = main_x(x, w, norm, eps, "a2a3")
+    latent = x.astype(np.float64) @ w.T.astype(np.float64)
+    inv_rms = 1 / np.sqrt(np.mean(latent**2, axis=1, keepdims=True) + eps)
+    spread = 4 * np.sqrt(width) * 2.0**-24 * (np.abs(x) @ np.abs(w).T) * inv_rms * norm
+    print(f"\nmain_x at FLASH width: {float(np.mean(got != want)):.4f} of the elements differ")
+    np.testing.assert_array_less(np.abs(got - want), spread + BF16_RTOL * np.abs(want) + BF16_ATOL)
+    assert np.mean(got != want) <= MAX_DIFFERING_FRACTION
