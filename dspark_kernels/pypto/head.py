@@ -20,6 +20,10 @@ bf16 in (one shard of ``head.weight``, pad rows 0); ``logits`` [M, Vp] fp32 out:
 ``greedy`` kernel: ``logits`` [M, Vp] fp32 in (pad columns -inf), ``rows`` [M] int32 in; ``ids`` [M, 1] int32 out:
 the first maximum's column (``min {v : logits[v] == max}``, the ids as fp32 integers, exact below 2**24),
 -1 on inactive rows.
+
+The DSpark drafter's ``markov`` (left-to-right biased first maximum over its B block rows, in one call) and
+``confidence`` kernels build on the same scan (:func:`first_max`); their contracts are
+:mod:`dspark_kernels.pypto.markov`'s.
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
