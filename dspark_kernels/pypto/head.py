@@ -53,6 +53,8 @@ VOCAB_ALIGN = MIN_COLUMNS
 GREEDY_TILE = (8, 1024)
 #: Cube tiles of the LM head: bf16 B operand tk * tn * 2 B <= 64 KB (L0B), k 256 x n 128 as o_proj's.
 LM_TK, LM_TN, LM_TK_L1 = 256, 128, 1024
+#: Vector tiles of the Markov head's bias add and first-maximum scan (rows, vocabulary columns).
+MARKOV_TILE = GREEDY_TILE
 #: Rows of a confidence-head vector tile (a [rows, D] fp32 tile: 64 KB of the 192 KB UB at D = 4096).
 CONFIDENCE_ROWS = 4
 
@@ -163,11 +165,11 @@ def column_ramp(vocab: int) -> Any:
     return pypto.reshape(pypto.cast(pypto.arange(vocab), pypto.DT_FP32), [1, vocab])
 
 
-def first_max(values: Any, ramp: Any) -> Any:
+def first_max(values: Any, ramp: Any, tiles: tuple[int, int] = GREEDY_TILE) -> Any:
     """[M, 1] fp32 column of each row's first maximum of ``values`` [M, Vp] fp32 (``ramp``: :func:`column_ramp`;
-    traced): ``min {v : values[v] == max}``."""
+    ``tiles``: its vector tiles; traced): ``min {v : values[v] == max}``."""
     m, vocab = values.shape
-    pypto.set_vec_tile_shapes(*GREEDY_TILE)
+    pypto.set_vec_tile_shapes(*tiles)
     top = pypto.amax(values, -1, keepdim=True)                                              # [M, 1]
     at_top = pypto.ge(pypto.sub(values, top), 0.0)                 # x - max == 0 exactly at the maxima
     columns = pypto.where(at_top, pypto.expand_clone(ramp, [m, vocab]), float(vocab))
@@ -194,9 +196,9 @@ def markov_kernel(requests: int, vocab: int, table: int, rank: int, steps: int) 
             emb = pypto.index_select(w1, 0, previous)                                        # [R, r] bf16
             pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
             bias = pypto.matmul(emb, w2, pypto.DT_FP32, b_trans=True)                        # [R, Vp]
-            pypto.set_vec_tile_shapes(*GREEDY_TILE)
+            pypto.set_vec_tile_shapes(*MARKOV_TILE)
             biased = pypto.add(pypto.view(logits, [requests, vocab], [i * requests, 0]), bias)
-            chosen = pypto.cast(first_max(biased, ramp), pypto.DT_INT32)                     # [R, 1]
+            chosen = pypto.cast(first_max(biased, ramp, MARKOV_TILE), pypto.DT_INT32)        # [R, 1]
             pypto.assemble(chosen, [i * requests, 0], ids)
             previous = pypto.reshape(chosen, [requests])
 
