@@ -221,7 +221,48 @@ class RankView:
 
 
 @attrs.frozen(eq=True)
-class PackedBatch(BatchGeometry):
+class StepArrays(BatchGeometry):
+    """The leading fields of a step in either form, declared once, and the geometry and row ownership both forms
+    derive from them: the base of :class:`PackedBatch` (the full form) and of
+    :class:`~dspark_abi.persistent.PersistentStep` (the persistent form, spec 5.9). Not built on its own.
+
+    Attributes:
+        config: The model configuration (table widths, limits).
+        policy: The TP padding policy (P, L and the padding sentinels).
+        pool_blocks: Physical blocks of each pool (a mapping is converted with :meth:`PoolBlocks.from_mapping`).
+        query_start_loc: [R+1] int32: [0, q0, q0+q1, ..., N], non-decreasing.
+        positions: [P] int32: absolute in-request position; padding rows per policy.
+
+    The fields each form adds come after these, in its own order (a subclass's attrs fields follow its base's, so
+    the optional trailing fields both forms carry, ``token_ids`` ... ``logit_mode``, are declared by each form with
+    the one helper :func:`_afield`: sharing them through a base would move them before the form's own fields and
+    change both positional constructors).
+    """
+
+    config: ModelConfig
+    policy: PaddingPolicy
+    pool_blocks: PoolBlocks = attrs.field(converter=_pool_blocks)
+    query_start_loc: np.ndarray = _afield("query_start_loc")
+    positions: np.ndarray = _afield("positions")
+    #: The per-request record (:class:`~dspark_abi.requests.BatchRequests`), keyword-only (last in both
+    #: constructors): built once, by the builder or from the arrays; not compared (it is derived from them). Filled
+    #: in each form's ``__attrs_post_init__`` when not given: never None on a constructed step.
+    requests: BatchRequests = attrs.field(default=None, eq=False, repr=False, kw_only=True)
+
+    @property
+    def tp_size(self) -> int:
+        """TP."""
+        return self.policy.tp_size
+
+    @cached_property
+    def row_request(self) -> np.ndarray:
+        """[P] int32: request owning each group row; -1 on padding rows (``requests.row_request(P)``, computed
+        once, read-only, shared with the builder: the one formula of both forms)."""
+        return self.requests.row_request(self.padded_rows)
+
+
+@attrs.frozen(eq=True)
+class PackedBatch(StepArrays):
     """The whole metadata of one packed call (prefill chunks and verify requests) of one TP group. Constructing one
     validates it.
 
@@ -246,11 +287,7 @@ class PackedBatch(BatchGeometry):
             not describe them (e.g. after ``attrs.evolve``).
     """
 
-    config: ModelConfig
-    policy: PaddingPolicy
-    pool_blocks: PoolBlocks = attrs.field(converter=_pool_blocks)
-    query_start_loc: np.ndarray = _afield("query_start_loc")
-    positions: np.ndarray = _afield("positions")
+    # config, policy, pool_blocks, query_start_loc, positions and the keyword-only requests: StepArrays's
     # mypy's attrs plugin cannot see through _afield and takes the array fields above for defaulted ones
     tables: RequestTables = attrs.field()  # type: ignore[misc]
     slots: SlotMappings = attrs.field()  # type: ignore[misc]
@@ -259,8 +296,6 @@ class PackedBatch(BatchGeometry):
     logit_rows: np.ndarray | None = _afield("logit_rows", True)
     verify_widths: np.ndarray | None = _afield("verify_widths", True)
     logit_mode: np.ndarray | None = _afield("logit_mode", True)
-    # filled in __attrs_post_init__ when not given: never None on a constructed batch
-    requests: BatchRequests = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if self.request_ids is None:
@@ -318,22 +353,11 @@ class PackedBatch(BatchGeometry):
                 out[f.name] = value
         return out
 
-    # ------------------------------------------------------------------ geometry (R, N, P, L: BatchGeometry)
-    @property
-    def tp_size(self) -> int:
-        """TP."""
-        return self.policy.tp_size
-
+    # ------------------------------------------------------------------ geometry (R, N, P, L, row_request: StepArrays)
     @property
     def request_lengths(self) -> np.ndarray:
         """[R] int64: new tokens per request (``requests.lengths``)."""
         return self.requests.lengths
-
-    @cached_property
-    def row_request(self) -> np.ndarray:
-        """[P] int32: request owning each group row; -1 on padding rows (``requests.row_request(P)``, computed
-        once, read-only)."""
-        return self.requests.row_request(self.padded_rows)   # read-only, shared with the builder
 
     @cached_property
     def request_starts(self) -> np.ndarray:

@@ -186,7 +186,9 @@ class BatchBuilder:
     def __init__(self, config: ModelConfig, policy: PaddingPolicy, allocator: BlockAllocator, *,
                  validator: StepValidator | None = None, ring_width: Literal["step", "fixed"] = "step"):
         """validator: a serving loop's :class:`~dspark_abi.incremental.StepValidator`, which then validates each
-        step at the cost of what it changes instead of the full stateless validation (same verdicts).
+        step at the cost of what it changes instead of the full stateless validation (same verdicts). It checks
+        :meth:`build`'s batches; :meth:`build_step`'s are checked against the persistent tables
+        (:func:`~dspark_abi.persistent.check_step`), and committing one resets the validator (:meth:`commit`).
 
         ring_width: "step" makes the four ring tables as narrow as the step's widest live range (the fewest
         bytes per step); "fixed" gives them ``PoolLayout.ring_width`` columns every step (static shapes for
@@ -336,7 +338,9 @@ class BatchBuilder:
                ) -> None:
         """Advance every request of ``batch`` (built by this builder) by its committed rows: the allocator maps the
         step's pages, recycles the ring pages out of reach and counts the rows as cached; the builder's step
-        validator takes the step as the baseline of the next one. Call it after the batch's forward.
+        validator takes the step as the baseline of the next one (a persistent step, which carries no tables to
+        compare with, makes it forget its baseline: the next :meth:`build` is checked in full once, then
+        incrementally again). Call it after the batch's forward.
 
         accepted: None (every row of every request) or one integer per request, in batch order: a prefill chunk's
         row count, or for a verify request its accepted count 1..width (the anchor is a real token, always kept).
@@ -368,8 +372,14 @@ class BatchBuilder:
         del self._built[id(batch)]
         self._forget_dropped()
         self._committed[id(batch)] = built.batch
-        if self.validator is not None and built.proposal is not None:
-            self.validator.accept(built.proposal)
+        if self.validator is not None:
+            if isinstance(batch, PersistentStep):
+                # a persistent step carries no [R, w] tables to compare the next step's cells with (making them is
+                # the full form's cost): the validator forgets its baseline instead of keeping one older than the
+                # allocator, and checks the next build() against none (in full once, O(live pages))
+                self.validator.reset()
+            elif built.proposal is not None:
+                self.validator.accept(built.proposal)
 
     def _forget_dropped(self) -> None:
         """Forget the batches nobody holds any more (they cannot be committed)."""

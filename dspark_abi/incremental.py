@@ -57,6 +57,10 @@ dense arrays would outweigh the pool tables). If the handle sums could ever over
 never at realistic sizes) the step is validated in full and the state reset, as after any exception inside a
 step. Each call holds the validator's lock, but the steps of one loop must come in order: one validator per
 serving loop.
+
+Persistent steps (spec 5.9) carry no ``[R, w]`` tables, so they cannot be a baseline without making their full form:
+a loop that commits one between two full-form steps calls :meth:`StepValidator.reset` (``BatchBuilder.commit`` does),
+and the next full-form step is checked against no baseline (every page fresh, O(live pages) once).
 """
 
 from __future__ import annotations

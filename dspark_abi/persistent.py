@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 
 from dspark_abi._base import expand_ranges, find_in
-from dspark_abi.batch import PackedBatch, SlotMappings, _afield, _PerPool, freeze
+from dspark_abi.batch import PackedBatch, SlotMappings, StepArrays, _afield, _PerPool, freeze
 from dspark_abi.config import ModelConfig
 from dspark_abi.errors import ABIError, Issue, ValidationReport
 from dspark_abi.fields import (
@@ -226,6 +226,14 @@ class PersistentTables:
         the owning allocator, with no write since. Only then may a forward read them for ``step``."""
         return self._holding is step
 
+    def current_issues(self, step: PersistentStep) -> list[Issue]:
+        """Whether ``step`` was built against these tables' current slots, in O(R) (the id lookup only for slots the
+        step claims): ``config.mismatch`` (tables of another config or pools), ``tables.slot`` (a slot out of range
+        or shared by two requests), ``tables.stale_slot`` (a slot released or recycled since, held by another
+        request, or a request that holds another slot). The first check of :func:`check_step` and
+        :meth:`PersistentStep.to_full`, and what a forward checks of a step besides :meth:`holding_issues`."""
+        return list(_current(step, self).issues)
+
     def holding_issues(self, step: PersistentStep) -> list[Issue]:
         """``tables.unapplied`` unless :meth:`holds` ``step`` (O(1))."""
         if self.holds(step):
@@ -413,10 +421,6 @@ class PersistentTables:
 
 
 # ------------------------------------------------------------------------------------------------ the step
-def _pool_blocks(value: Mapping[str, int] | PoolBlocks) -> PoolBlocks:
-    return PoolBlocks.from_mapping(value)
-
-
 @attrs.frozen
 class DeltaCells(_PerPool):
     """Per pool, [M, 3] int32 rows (slot, logical page, block) of the cells a step maps (or releases)."""
@@ -464,7 +468,7 @@ class DeltaCells(_PerPool):
 
 
 @attrs.frozen(eq=True)
-class PersistentStep:
+class PersistentStep(StepArrays):
     """One step in the persistent form (spec 1.3, section 5.9): the full form's per-row arrays, no block tables,
     each request's slot and slot generation, and per pool the cells the step maps and releases.
 
@@ -479,13 +483,14 @@ class PersistentStep:
         mapped: Per pool [M_p, 3] int32 (slot, logical page, block) the step maps.
         released: Per pool [K_p, 3] int32 (slot, logical page, block) the step releases (ring pages out of reach).
         requests: The per-request record (not compared; derived from the arrays when not given).
+
+    It satisfies the kernels' ``StepRows`` (``dspark_kernels.model.plan``) itself, as a ``PackedBatch`` does: the
+    geometry (``tp_size``, ``padded_rows``, ``num_requests``, ``num_tokens``) and ``row_request`` [P] int32 (-1 on
+    padding rows, derived once from the request record) come from :class:`~dspark_abi.batch.StepArrays`, the
+    same home as the full form's.
     """
 
-    config: ModelConfig
-    policy: PaddingPolicy
-    pool_blocks: PoolBlocks = attrs.field(converter=_pool_blocks)
-    query_start_loc: np.ndarray = _afield("query_start_loc")
-    positions: np.ndarray = _afield("positions")
+    # config, policy, pool_blocks, query_start_loc, positions and the keyword-only requests: StepArrays's
     slots: SlotMappings = attrs.field()  # type: ignore[misc]
     table_slots: np.ndarray = _afield("table_slots")
     slot_generations: np.ndarray = _afield("slot_generations")
@@ -497,8 +502,6 @@ class PersistentStep:
     logit_rows: np.ndarray | None = _afield("logit_rows", True)
     verify_widths: np.ndarray | None = _afield("verify_widths", True)
     logit_mode: np.ndarray | None = _afield("logit_mode", True)
-    # filled in __attrs_post_init__ when not given: never None on a constructed step
-    requests: BatchRequests = attrs.field(default=None, eq=False, repr=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         given: BatchRequests | None = self.requests
@@ -553,14 +556,6 @@ class PersistentStep:
     @property
     def widths(self) -> dict[PoolName, int]:
         return dict(zip(POOL_NAMES, self.table_widths.tolist(), strict=True))
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.query_start_loc) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
 
     def full_tables(self, tables: PersistentTables) -> dict[PoolName, np.ndarray]:
         """pool -> [R, table_widths[p]] int32 tables of the full form (``tables`` as of the step's build or right

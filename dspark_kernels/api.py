@@ -61,8 +61,8 @@ class PrefillResult:
     pypto-lib's ``dspark_target_hidden`` (rank r's share ``dspark_target_hidden[r]``), for comparison with it; not
     what the drafter was trained on (docs/checkpoints.md section 6).
     batch: the rows the call ran (:class:`~dspark_kernels.model.plan.StepRows`): the :class:`PackedBatch` itself,
-    or a persistent step's own rows and request record (:class:`~dspark_kernels.model.plan.PersistentRows`; its
-    full form is ``step.to_full(tables)``, not made by the call).
+    or the persistent step itself (its own rows and request record; its full form is ``step.to_full(tables)``, not
+    made by the call).
     """
 
     batch: StepRows

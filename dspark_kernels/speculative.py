@@ -42,7 +42,7 @@ from dspark_kernels.model.accept import Acceptance, greedy_matrix
 from dspark_kernels.model.backends import Backend, BackendName, backend_issues, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.numerics import PRECISIONS
-from dspark_kernels.model.plan import PersistentRows, PlanSource, StepRows
+from dspark_kernels.model.plan import PlanSource, StepRows
 from dspark_kernels.model.weights import ModelWeights
 
 __all__ = [
@@ -228,8 +228,8 @@ class StepRecord:
     """What one dispatch held and what it kept."""
 
     batch: StepRows
-    """The step's rows and request record: the full-form batch, or a persistent step's own rows
-    (:class:`~dspark_kernels.model.plan.PersistentRows`; no full form is made per step)."""
+    """The step's rows and request record: the full-form batch, or the persistent step itself (its own
+    :class:`~dspark_kernels.model.plan.StepRows`; no full form is made per step)."""
     prefill_ids: tuple[int, ...]
     """Requests that sent a prefill chunk."""
     verify: tuple[VerifyOutput, ...]
@@ -419,7 +419,7 @@ class _Runner:
         if self.group is None:
             self.group = tp.RankGroup(step.policy.tp_size, self.allocator.persistent, attention=self.backend,
                                       precision=self.precision)
-        batch = PersistentRows.of(step)
+        batch = step
         ranks = self.group.run(tp.DistributedJob(step, tokens, self.weights, self.caches, precision=self.precision,
                                                  backend=self.backend), self.allocator.persistent.slots)
         self._take_caches(ranks[0].caches)

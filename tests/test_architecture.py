@@ -271,6 +271,18 @@ def test_stage_entry_points_take_value_objects_not_long_parameter_lists():
     assert all(n <= 9 for n in counts.values()), counts
 
 
+def test_no_kernel_module_imports_a_private_name_of_the_abi():
+    """The kernels use the ABI through its public names (a private helper the kernels need gets a public one, e.g.
+    ``PersistentTables.current_issues``): no ``from dspark_abi... import _name``."""
+    private = []
+    for path, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dspark_abi"):
+                private += [f"{path.relative_to(PACKAGE)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert private == []
+
+
 def test_no_kernel_module_keys_state_by_object_identity():
     """Per-plan state belongs to the plan: no module keeps a dict keyed by ``id(...)``."""
     for path, tree in _sources():

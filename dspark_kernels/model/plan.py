@@ -24,10 +24,12 @@ field                   what, and where it comes from
                         0 on padding rows
 ``window``              [rows, W] int64 physical ``ori`` rows of each query row's sliding window, oldest first
                         (:func:`window_key_rows`); -1 = none
-``entry_rows[pool]``    [rows, Vmax] int64 physical rows of every visible compressed entry of each query row
-                        through its request's table, for ``hca_cmp`` (HCA's dense entries) and ``idx`` (the
-                        lightning indexer's candidates): :func:`visible_entry_rows`;
-                        :meth:`entry_rows_in` trims a row range to its widest count
+``entry_rows_in``       [hi - lo, V] int64 physical rows of every visible compressed entry of query rows
+                        ``[lo, hi)`` through their request's table, for ``hca_cmp`` (HCA's dense entries) and
+                        ``idx`` (the lightning indexer's candidates), V their widest count
+                        (:func:`visible_entry_rows`): derived per call, for the row tile a kernel reads, never for
+                        the whole batch (at 1M positions a row sees up to 262,144 ``idx`` entries: [rows, V] of
+                        every query row would be gigabytes, and the plan would cost seconds)
 ``state_windows[pool]`` the boundary rows of each compressor state pool (``csa_state``, ``csa_inner_state``,
                         ``hca_state``) and the state rows [B, span] of their windows (:class:`StateWindows`)
 ``rope[kind]``          RoPE cos / sin [P, rd/2] at the positions, per layer kind of the schedule, in the
@@ -43,6 +45,7 @@ to its kernel processes).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -53,7 +56,7 @@ from dspark_abi import ABIError, Issue, ModelConfig, PackedBatch, PaddingPolicy,
 from dspark_abi.batch import SlotMappings
 from dspark_abi.config import LayerKind
 from dspark_abi.layout import POOL_NAMES, physical_rows, visible_entries
-from dspark_abi.persistent import PersistentStep, PersistentTables, _current
+from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_abi.requests import BatchRequests
 from dspark_kernels.model.geometry import (
     INDEX_RATIO,
@@ -100,11 +103,12 @@ def visible_entry_rows(visible: np.ndarray, table_row: np.ndarray, table: np.nda
 
 class StepRows(Protocol):
     """What the kernels read of a step besides its block tables, in either form: a full-form
-    :class:`~dspark_abi.PackedBatch` satisfies it, a :class:`~dspark_abi.persistent.PersistentStep` through
-    :class:`PersistentRows`. Every array is the full form's (spec 4.1): query_start_loc [R+1] int32, positions
-    [P] int32, the seven [P] int64 slot mappings, token_ids [P] int64 | None, logit_rows [M] int32 | None,
-    request_ids [R] int64, verify_widths [R] int32 | None, logit_mode [R] int8 | None;
-    ``row_request`` [P] int32 (-1 on padding rows); ``requests`` the per-request record."""
+    :class:`~dspark_abi.PackedBatch` and a :class:`~dspark_abi.persistent.PersistentStep` both satisfy it (their
+    geometry and ``row_request`` come from one base, :class:`~dspark_abi.batch.StepArrays`). Every array is the
+    full form's (spec 4.1): query_start_loc [R+1] int32, positions [P] int32, the seven [P] int64 slot mappings,
+    token_ids [P] int64 | None, logit_rows [M] int32 | None, request_ids [R] int64, verify_widths [R] int32 | None,
+    logit_mode [R] int8 | None; ``row_request`` [P] int32 (-1 on padding rows); ``requests`` the per-request
+    record."""
 
     @property
     def config(self) -> ModelConfig: ...
@@ -142,83 +146,24 @@ class StepRows(Protocol):
     def row_request(self) -> np.ndarray: ...
 
 
-@attrs.frozen(eq=False)
 class PersistentRows:
-    """The :class:`StepRows` of a persistent step: its own arrays and request record (shared, never copied) and the
-    row ownership ``row_request`` [P] int32 its record derives; no block table (the kernels read the persistent
-    tables). Build with :meth:`of`."""
+    """Deprecated since 1.3 (removed in the next minor version): a :class:`~dspark_abi.persistent.PersistentStep`
+    is its own :class:`StepRows` (``row_request``, ``tp_size``, ``padded_rows``, ...), so ``PersistentRows.of(step)``
+    and ``PersistentRows(step)`` return ``step`` itself, with a DeprecationWarning."""
 
-    step: PersistentStep
-    row_request: np.ndarray
+    def __new__(cls, step: PersistentStep, row_request: np.ndarray | None = None) -> PersistentStep:  # type: ignore[misc]
+        return _persistent_rows_deprecated(step)
 
     @classmethod
-    def of(cls, step: PersistentStep) -> PersistentRows:
-        return cls(step=step, row_request=step.requests.row_request(len(step.positions)))
+    def of(cls, step: PersistentStep) -> PersistentStep:
+        return _persistent_rows_deprecated(step)
 
-    @property
-    def config(self) -> ModelConfig:
-        return self.step.config
 
-    @property
-    def policy(self) -> PaddingPolicy:
-        return self.step.policy
-
-    @property
-    def pool_blocks(self) -> PoolBlocks:
-        return self.step.pool_blocks
-
-    @property
-    def query_start_loc(self) -> np.ndarray:
-        return self.step.query_start_loc
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.step.positions
-
-    @property
-    def slots(self) -> SlotMappings:
-        return self.step.slots
-
-    @property
-    def requests(self) -> BatchRequests:
-        return self.step.requests
-
-    @property
-    def token_ids(self) -> np.ndarray | None:
-        return self.step.token_ids
-
-    @property
-    def logit_rows(self) -> np.ndarray | None:
-        return self.step.logit_rows
-
-    @property
-    def request_ids(self) -> np.ndarray:
-        return self.step.request_ids
-
-    @property
-    def verify_widths(self) -> np.ndarray | None:
-        return self.step.verify_widths
-
-    @property
-    def logit_mode(self) -> np.ndarray | None:
-        return self.step.logit_mode
-
-    @property
-    def num_requests(self) -> int:
-        return self.step.num_requests
-
-    @property
-    def num_tokens(self) -> int:
-        return self.step.num_tokens
-
-    @property
-    def padded_rows(self) -> int:
-        """P, the group rows."""
-        return len(self.step.positions)
-
-    @property
-    def tp_size(self) -> int:
-        return self.step.policy.tp_size
+def _persistent_rows_deprecated(step: PersistentStep) -> PersistentStep:
+    """``step``, warning at the caller of :class:`PersistentRows` (two frames up)."""
+    warnings.warn("dspark_kernels.model.plan.PersistentRows is deprecated: a PersistentStep is its own StepRows, "
+                  "pass the step", DeprecationWarning, stacklevel=3)
+    return step
 
 
 def _table_issues(batch: StepRows, tables: Mapping[str, np.ndarray] | None,
@@ -336,7 +281,6 @@ class BatchPlan:
     boundaries: dict[int, np.ndarray]
     visible: dict[int, np.ndarray]
     window: np.ndarray
-    entry_rows: dict[str, np.ndarray]
     state_windows: dict[str, StateWindows]
     rope: dict[LayerKind, RopeRows]
     window_rope: dict[int, RopeRows]
@@ -400,9 +344,6 @@ class BatchPlan:
         pools = config.layout.pools
         window = _frozen(window_key_rows(positions[lo:hi], table_row[lo:hi], tables["ori"], config.sliding_window,
                                          pools["ori"].page_size))
-        entry_rows = {pool: _frozen(visible_entry_rows(visible[pools[pool].ratio][lo:hi], table_row[lo:hi],
-                                                       tables[pool], pools[pool].page_size))
-                      for kind, pool in ENTRY_POOLS.items() if kind in kinds}
         compressors = [(f"{kind}_state", m) for kind, m in kinds.items() if m]
         compressors += [("csa_inner_state", INDEX_RATIO)] if "csa" in kinds else []
         state_windows = {pool: StateWindows(*(_frozen(a) for a in window_state_rows(
@@ -410,7 +351,7 @@ class BatchPlan:
         return cls(batch=batch, rank=rank, precision=prec, row_start=lo, row_stop=hi, positions=positions,
                    request=request, tables=tables, table_row=table_row, run_starts=_frozen(run_starts),
                    run_stops=_frozen(run_stops), run_requests=_frozen(run_requests), boundaries=boundaries,
-                   visible=visible, window=window, entry_rows=entry_rows, state_windows=state_windows, rope=rope,
+                   visible=visible, window=window, state_windows=state_windows, rope=rope,
                    window_rope=window_rope)
 
     @classmethod
@@ -419,7 +360,7 @@ class BatchPlan:
         """The plan of a persistent step (spec 5.9): the kernels read ``tables`` (the persistent tables, every slot,
         read-only views) at ``table_row = table_slots[request]``. ``tables`` must hold the step's delta, as a device
         mirror does after ``tables.apply(step)`` (or the allocator's own tables after ``commit``). The per-row arrays
-        and the request record are the step's own (:class:`PersistentRows`); no full form is made.
+        and the request record are the step's own (the step is the plan's ``batch``); no full form is made.
         Raises :class:`ABIError` as :meth:`build` and as :meth:`PlanSource.of` (``tables.stale_slot``, ...)."""
         return PlanSource.of(step, tables).plan(rank=rank, precision=precision)
 
@@ -461,11 +402,22 @@ class BatchPlan:
         return self.window[self.query_slice(lo, hi)]
 
     def entry_rows_in(self, pool: str, lo: int, hi: int) -> np.ndarray:
-        """[hi - lo, V] int64 ``entry_rows[pool]`` of group query rows ``[lo, hi)``, V = their widest visible count
-        (the columns beyond it are -1 in every one of these rows)."""
-        ratio = self.config.layout.pools[pool].ratio
-        columns = int(self.visible[ratio][lo:hi].max(initial=0))
-        return self.entry_rows[pool][self.query_slice(lo, hi), :columns]
+        """[hi - lo, V] int64 physical rows of every visible entry of compressed pool ``pool`` (``idx``,
+        ``hca_cmp``, ``csa_cmp``) of group query rows ``[lo, hi)`` through their table rows, V = their widest visible
+        count; -1 beyond a row's count, unmapped or on padding rows (:func:`visible_entry_rows`). Derived per call:
+        O((hi - lo) x V), the size of what the caller then gathers, never O(rows x context) for the whole batch."""
+        pl = self.config.layout.pools[pool]
+        return visible_entry_rows(self.visible[pl.ratio][lo:hi], self.table_row[lo:hi], self.tables[pool],
+                                  pl.page_size)
+
+    @property
+    def entry_rows(self) -> dict[str, np.ndarray]:
+        """pool -> [rows, Vmax] :meth:`entry_rows_in` of every query row, for the compressed pools the schedule's
+        layer kinds read (:data:`ENTRY_POOLS`). Derived on each access, O(rows x Vmax) memory: for inspection and
+        tests; kernels read :meth:`entry_rows_in` per row tile."""
+        kinds = {self.config.layer_kind(i) for i in range(len(self.config.compress_ratios))}
+        return {pool: self.entry_rows_in(pool, self.row_start, self.row_stop)
+                for kind, pool in ENTRY_POOLS.items() if kind in kinds}
 
     def runs_in(self, lo: int, hi: int) -> list[Run]:
         """The runs of group rows ``[lo, hi)``: ``(start, stop, request)`` relative to ``lo``, ascending.
@@ -485,11 +437,11 @@ class PlanSource:
     :class:`~dspark_abi.persistent.PersistentStep` with its tables becomes the plans of the whole group and of
     each rank (the row split of a rank view is the batch policy's, the same for both forms).
 
-    batch: the :class:`StepRows` every stage reads (per-row arrays, slot mappings, request record): the batch
-    itself, or the step's :class:`PersistentRows` (never its full form: a persistent step's narrow tables are not
-    rebuilt per step). tables: pool -> the table the kernels read: [S, w_p] int32 (the persistent tables,
-    read-only views) or the batch's own [R, w]. request_table_row: [R] int32 row of ``tables`` each request reads
-    (the step's ``table_slots``) or None (row r for request r). step: the persistent step, or None for a batch."""
+    batch: the :class:`StepRows` every stage reads (per-row arrays, slot mappings, request record): the batch or the
+    persistent step itself (never a step's full form: its narrow tables are not rebuilt per step). tables: pool ->
+    the table the kernels read: [S, w_p] int32 (the persistent tables, read-only views) or the batch's own [R, w].
+    request_table_row: [R] int32 row of ``tables`` each request reads (the step's ``table_slots``) or None (row r
+    for request r). step: the persistent step, or None for a batch."""
 
     batch: StepRows
     tables: Mapping[str, np.ndarray]
@@ -513,12 +465,13 @@ class PlanSource:
                                       "tables", expected="PersistentTables holding the step's delta",
                                       actual=type(tables).__name__, fix="pass tables=allocator.persistent after "
                                       "commit, or a mirror after mirror.apply(step)")])
-            _current(batch, tables).raise_if_invalid()   # O(R): the step was built against these slots
+            issues = tables.current_issues(batch)        # O(R): the step was built against these slots
+            if issues:
+                raise ABIError(issues)
             issues = tables.holding_issues(batch)        # O(1): its delta, proven by apply or commit, is what they hold
             if issues:
                 raise ABIError(issues)
-            return cls(batch=PersistentRows.of(batch), tables=tables.tables, request_table_row=batch.table_slots,
-                       step=batch)
+            return cls(batch=batch, tables=tables.tables, request_table_row=batch.table_slots, step=batch)
         if tables is not None:
             raise ABIError([Issue("config.invalid", "tables", "persistent tables go with a PersistentStep; a "
                                   "PackedBatch carries its own tables", expected="None",

@@ -17,7 +17,6 @@ from dspark_kernels.model.attention_weights import AttentionWeights
 from dspark_kernels.model.backends import KeyRows, QueryPath, run_attention
 from dspark_kernels.model.caches import LayerCaches
 from dspark_kernels.model.checks import check_attention_inputs
-from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import check_precision
 from dspark_kernels.model.plan import BatchPlan, IndexKeyPools
 from dspark_kernels.model.prepared import PreparedCompressor, PreparedWeights, PreparedWeightsCache, prepared_for
@@ -102,7 +101,7 @@ class ReferenceStages:
         cos, sin = plan.rope[config.layer_kind(layer)].rows(lo, hi)
         iq = index_query(query.low_rank, x[rows], weights, cos, sin, config.index_n_heads,
                          config.index_weight_scale, plan.precision)
-        candidates = IndexCandidates(plan.visible[INDEX_RATIO][rows], plan.entry_rows_in("idx", lo, hi))
+        candidates = IndexCandidates.of_plan(plan, lo, hi)
         keys = IndexKeyPools(caches.pool("idx"), caches.pool("idx_scale"))
         return lightning_topk(iq, plan.request[rows], keys, candidates, topk=config.index_topk,
                               precision=plan.precision, runs=plan.runs_in(lo, hi))

@@ -35,7 +35,7 @@ from dspark_abi.layout import KV_PAGE_SIZE, visible_entries
 from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.geometry import INDEX_RATIO
 from dspark_kernels.model.numerics import Precision, int8_matmul, int8_quantize, linear, narrow
-from dspark_kernels.model.plan import IndexKeyPools, Run, visible_entry_rows
+from dspark_kernels.model.plan import BatchPlan, IndexKeyPools, Run, visible_entry_rows
 from dspark_kernels.model.prepared import PreparedWeights
 from dspark_kernels.model.rope import apply_rope
 from dspark_kernels.reference.paged import gather_rows
@@ -63,15 +63,37 @@ class IndexerQuery:
 
 @attrs.frozen(eq=False)
 class IndexCandidates:
-    """The plan's candidate lookups of T query rows (:meth:`~dspark_kernels.model.plan.BatchPlan.entry_rows_in`).
+    """The candidate lookups of T query rows: every visible idx entry of each row, through its table row.
 
     visible: [T] int64 idx entries each row sees, ``(p + 1) // 4`` (0 on padding rows), the plan's ``visible[4]``.
-    rows: [T, C] int64 physical idx rows of those entries through the row's request's table (-1 beyond a row's
-    count or unmapped), C = max(visible).
+    table_row: [T] int the row of ``table`` each row reads (-1 on padding rows), the plan's ``table_row``.
+    table: [R_t, width] int32 the idx block table (-1 = unmapped), the plan's ``tables["idx"]``.
+
+    Rows of one request see prefixes of the same entries, so a run's candidates are its widest row's: :meth:`row`
+    derives one row's, O(its visible count); :attr:`rows` derives all of them, [T, max(visible)], which at 1M
+    positions (262,144 entries a row) is what a forward must not hold.
     """
 
     visible: np.ndarray
-    rows: np.ndarray
+    table_row: np.ndarray
+    table: np.ndarray
+
+    @classmethod
+    def of_plan(cls, plan: BatchPlan, lo: int, hi: int) -> IndexCandidates:
+        """The candidates of the plan's group rows ``[lo, hi)``."""
+        return cls(plan.visible[INDEX_RATIO][lo:hi], plan.table_row[lo:hi], plan.tables["idx"])
+
+    def row(self, t: int) -> np.ndarray:
+        """[visible[t]] int64 physical idx rows of row t's visible entries (-1 = unmapped)."""
+        one: np.ndarray = visible_entry_rows(self.visible[t:t + 1], self.table_row[t:t + 1], self.table,
+                                             KV_PAGE_SIZE)[0]
+        return one
+
+    @property
+    def rows(self) -> np.ndarray:
+        """[T, max(visible)] int64 physical idx rows of every row's visible entries (-1 beyond a row's count or
+        unmapped)."""
+        return visible_entry_rows(self.visible, self.table_row, self.table, KV_PAGE_SIZE)
 
     @classmethod
     def lookup(cls, positions: np.ndarray, table_row: np.ndarray, idx_table: np.ndarray) -> IndexCandidates:
@@ -79,7 +101,7 @@ class IndexCandidates:
         table_row [T] the ``idx_table`` [R_t, width] row each row reads (-1 = padding row)."""
         table_row = np.asarray(table_row)
         visible = np.where(table_row >= 0, visible_entries(positions, INDEX_RATIO), 0)
-        return cls(visible, visible_entry_rows(visible, table_row, idx_table, KV_PAGE_SIZE))
+        return cls(visible, table_row, idx_table)
 
 
 def index_query(lrq: LowRankQuery, x: np.ndarray, w: PreparedWeights, cos: np.ndarray, sin: np.ndarray,
@@ -134,7 +156,7 @@ def lightning_topk(query: IndexerQuery, request: np.ndarray, keys: IndexKeyPools
         if count == 0:
             continue
         # the run's widest row sees every entry of the run: its candidate rows are the run's keys
-        rows = candidates.rows[start + int(np.argmax(visible)), :count]              # (C,)
+        rows = candidates.row(start + int(np.argmax(visible)))                       # (C,)
         run_keys, mapped = gather_rows(keys.keys, rows)                               # (C, dI)
         key_scale, _ = gather_rows(keys.scales, rows)                                 # (C,)
         run_keys = run_keys.astype(np.float32)

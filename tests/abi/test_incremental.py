@@ -354,3 +354,59 @@ def test_ring_pools_argument_is_checked():
     with pytest.raises(ABIError) as err:
         StepValidator(TINY, PaddingPolicy(), pool_blocks_for(TINY, [64]), ring_pools="all")
     assert err.value.codes == {"config.invalid"} and err.value.issues[0].field == "ring_pools"
+
+
+# ---------------------------------------------------------------------------------------------- both forms, one loop
+def _foreign_alias(batch, pool="csa_cmp"):
+    """A copy of ``batch``'s arrays with request 0's oldest live ``pool`` cell pointing at a block request 1 writes
+    in this step (a foreign write into request 0's history: ``isolation.foreign_write``)."""
+    arrays = {k: np.array(v) for k, v in batch.to_arrays().items()}
+    _, cols = _live_cells(batch, pool, 0)
+    arrays[TABLE_FIELDS[pool]][0, cols[0]] = int(_written_blocks(batch, pool, 1)[0])
+    return arrays
+
+
+@pytest.mark.parametrize("ring", RING_MODES)
+def test_persistent_commits_leave_no_stale_baseline(ring):
+    """A builder with a step validator, build() and build_step() mixed: every build() batch gets exactly the report
+    of validate_arrays; a persistent step's commit makes the validator forget its baseline (the next build() compares
+    no cell with a step older than the allocator's tables), a full-form commit makes the batch the baseline again;
+    and a corrupted batch right after persistent steps, or one step later, is still caught, changing nothing."""
+    policy = PaddingPolicy(tp_size=2)
+    alloc = BlockAllocator(TINY, pool_blocks_for(TINY, [2000, 2000, 2000]))
+    sv = StepValidator(TINY, policy, alloc.pool_blocks, ring_pools=ring)
+    builder = BatchBuilder(TINY, policy, alloc, validator=sv)
+    pos = dict.fromkeys(range(3), 0)
+    forms = ["full", "step", "step", "full", "full", "step", "full"]
+    for i, form in enumerate(forms):
+        rids = [0, 1] + ([2] if i >= 1 else [])
+
+        def queue(rids=rids):
+            for rid in rids:
+                builder.add(rid, pos[rid], 150)
+
+        queue()
+        if form == "step":
+            step = builder.build_step()
+            builder.commit(step)
+        else:
+            batch = builder.build()
+            stats = sv.last_stats
+            assert validate_arrays(batch.to_arrays(), TINY, policy, alloc.pool_blocks).ok
+            if i == 0 or forms[i - 1] == "step":     # no baseline: every page fresh, no cell compared
+                assert set(stats.compared.values()) == {0} and stats.fresh["csa_cmp"] > 0
+            else:                                    # the last full-form commit is the baseline
+                assert stats.compared["csa_cmp"] > 0
+            if i in (3, 4):                          # right after persistent steps, and one full step later
+                corrupt = _foreign_alias(batch)
+                full = validate_arrays(corrupt, TINY, policy, alloc.pool_blocks)
+                report, proposal = sv.propose(corrupt)
+                assert not full.ok and report.issues == full.issues and proposal is None
+                assert "isolation.foreign_write" in report.codes
+                queue()                              # the real step again (the proposal of the first was dropped)
+                again = builder.build()
+                assert again == batch and sv.last_stats == stats
+                batch = again
+            builder.commit(batch)
+        for rid in rids:
+            pos[rid] += 150

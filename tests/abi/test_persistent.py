@@ -232,6 +232,10 @@ def test_step_built_against_a_recycled_slot_is_stale():
     report = check_step(step, alloc.persistent)
     assert report.codes == {"tables.stale_slot"}
     assert check_step(step, alloc.persistent, level="full").codes == {"tables.stale_slot"}
+    # the public O(R) check a forward runs (PlanSource.of) gives exactly these issues
+    assert alloc.persistent.current_issues(step) == list(report.issues)
+    builder.add(0, 0, 8)                   # the request again, from scratch: a step built against the slots now
+    assert alloc.persistent.current_issues(builder.build_step()) == []
     with pytest.raises(ABIError) as err:
         step.to_full(alloc.persistent)
     assert err.value.codes == {"tables.stale_slot"}

@@ -18,7 +18,7 @@ from dspark_abi.presets import TINY, TINY_DSPARK
 from dspark_kernels.api import prefill
 from dspark_kernels.model.caches import ModelCaches
 from dspark_kernels.model.forward import ForwardOptions, RankContext, run_forward
-from dspark_kernels.model.plan import PersistentRows, PlanSource
+from dspark_kernels.model.plan import PersistentRows, PlanSource, StepRows
 from dspark_kernels.model.tp import run_tp_inprocess
 from dspark_kernels.model.weights import ModelWeights
 from dspark_kernels.speculative import RandomDrafter, generate, greedy_decode
@@ -98,7 +98,7 @@ def test_prefill_run_forward_and_threads_make_no_full_form(weights, tp, monkeypa
 
     got_caches = caches.copy()
     got = prefill(step, step.token_ids, weights, got_caches, tables=mirror)
-    assert isinstance(got.batch, PersistentRows) and got.batch.step is step
+    assert got.batch is step                    # the step's own rows: no wrapper, no full form
     _assert_same(got, want, ("hidden", "x_hc", "logits", "sampled", "logit_rows"))
     for name, array in got_caches.arrays().items():
         np.testing.assert_array_equal(array, want_caches.arrays()[name], err_msg=name)
@@ -118,6 +118,7 @@ def test_a_rank_of_a_group_plans_the_step_rows(monkeypatch):
     _, step, mirror, _ = _both_forms(2)
     _refuse_full_forms(monkeypatch)
     source = PlanSource.of(step, mirror)
+    assert source.batch is step and source.plan().batch is step
     plan = source.plan(rank=1)
     np.testing.assert_array_equal(plan.table_row[plan.request >= 0],
                                   step.table_slots[plan.request[plan.request >= 0]])
@@ -163,7 +164,7 @@ def test_the_loops_make_no_full_form_and_check_each_step_once(tp, mode, monkeypa
     got_plain = greedy_decode(prompts, dspark, 3, tp=tp, tp_mode=mode, tables="persistent")
     for a, b in ((got, want), (got_plain, want_plain)):
         assert len(a.steps) == len(b.steps)
-        assert all(isinstance(s.batch, PersistentRows) for s in a.steps)
+        assert all(isinstance(s.batch, PersistentStep) for s in a.steps)
         for i, tokens in b.tokens.items():
             np.testing.assert_array_equal(a.tokens[i], tokens)
         for name, array in a.caches.arrays().items():
@@ -201,3 +202,26 @@ def test_a_forward_refuses_tables_without_the_steps_delta(weights):
     builder.commit(second)
     for tables in (mirror, alloc.persistent):                     # the tables right after the step: accepted
         prefill(second, second.token_ids, weights, caches, tables=tables)
+
+
+def test_a_step_is_its_own_rows():
+    """A persistent step carries what the kernels read of a step (StepRows) itself, derived from the one home the
+    full form uses: its row ownership equals its full form's, is made once and cannot be written."""
+    batch, step, _, _ = _both_forms(2)
+    for name in [n for n in dir(StepRows) if not n.startswith("_")]:
+        assert hasattr(step, name), name
+    np.testing.assert_array_equal(step.row_request, batch.row_request)
+    assert step.row_request.dtype == np.int32 and step.row_request is step.row_request
+    assert not step.row_request.flags.writeable
+    assert (step.row_request[step.num_tokens:] == -1).all() and step.padded_rows > step.num_tokens
+    assert (step.tp_size, step.padded_rows, step.num_requests, step.num_tokens, step.local_rows) == \
+        (batch.tp_size, batch.padded_rows, batch.num_requests, batch.num_tokens, batch.local_rows)
+
+
+def test_persistent_rows_is_a_deprecated_alias_of_the_step():
+    """The old wrapper's name still works for one minor version: it returns the step, warning at the caller."""
+    _, step, _, _ = _both_forms(1)
+    for make in (PersistentRows.of, PersistentRows):
+        with pytest.warns(DeprecationWarning, match="PersistentRows is deprecated") as caught:
+            assert make(step) is step
+        assert caught[0].filename == __file__

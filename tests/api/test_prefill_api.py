@@ -272,7 +272,7 @@ def test_prefill_of_a_persistent_step_equals_the_full_form_bit_for_bit(weights, 
     full_caches, pers_caches = caches.copy(), caches.copy()
     want = prefill(batch, batch.token_ids, weights, full_caches)
     got = prefill(step, step.token_ids, weights, pers_caches, tables=mirror)
-    assert got.batch.step is step                 # the step's own rows (never its full form): the same views
+    assert got.batch is step                      # the step's own rows (never its full form): the same views
     for mine, theirs in zip(got.requests, want.requests, strict=True):
         assert (mine.index, mine.request_id, mine.rows, mine.sampled) == \
             (theirs.index, theirs.request_id, theirs.rows, theirs.sampled)

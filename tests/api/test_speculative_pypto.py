@@ -90,7 +90,7 @@ def test_mixed_step_on_pypto_reads_the_persistent_tables_as_the_full_form():
     full_caches, pers_caches = caches.copy(), caches.copy()
     want = prefill(batch, batch.token_ids, weights, full_caches, precision="a2a3", backend="pypto")
     got = prefill(step, step.token_ids, weights, pers_caches, tables=mirror, precision="a2a3", backend="pypto")
-    assert got.batch.step is step                    # the step's own rows, never its full form
+    assert got.batch is step                         # the step's own rows, never its full form
     np.testing.assert_array_equal(got.batch.row_request, batch.row_request)
     for name in ("logit_rows", "logits", "sampled", "hidden"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)

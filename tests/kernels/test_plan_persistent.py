@@ -74,3 +74,56 @@ def test_a_plan_of_a_step_needs_current_slots():
     with pytest.raises(ABIError) as err:
         BatchPlan.from_step(step, alloc.persistent)
     assert err.value.codes == {"tables.stale_slot"}
+
+
+def _plan_bytes(plan: BatchPlan) -> int:
+    """Bytes of every array a plan holds of its own (its tables are the caller's and not counted)."""
+    import attrs
+
+    def arrays(value):
+        if isinstance(value, np.ndarray):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from arrays(v)
+        elif attrs.has(type(value)):
+            for f in attrs.fields(type(value)):
+                yield from arrays(getattr(value, f.name))
+
+    return sum(a.nbytes for f in attrs.fields(BatchPlan) if f.name not in ("batch", "tables")
+               for a in arrays(getattr(plan, f.name)))
+
+
+def test_a_plan_does_not_grow_with_the_context():
+    """A verify step's plan holds O(rows) of its own, whatever the depth: the same 16 x 4 verify rows at contexts
+    near 100K and near 900K (1M-position TINY heads) give plans of equal size. (Until 1.4 a plan materialised every
+    row's visible compressed entries: [rows, up to 262,144] int64, 9 times larger at the deeper contexts.) The
+    tile a kernel reads is still derived on demand and equals the visible entries through the request's table."""
+    from dspark_abi import BlockAllocator
+    from dspark_abi.allocator import pool_blocks_for
+    from dspark_abi.layout import physical_rows, visible_entries
+    from dspark_abi.presets import TINY_1M
+    from dspark_kernels.model.plan import PlanSource
+
+    config = TINY_1M.model_copy(update={"name": "tiny-1m-k3", "dspark_block_size": 3})
+    sizes = []
+    for depth in (100_000, 900_000):
+        contexts = np.arange(16, dtype=np.int64) * 37 + depth
+        alloc = BlockAllocator(config, pool_blocks_for(config, [int(c) + 8 for c in contexts], slack=2))
+        alloc.commit(alloc.plan(list(range(16)), contexts, contexts))        # deep histories, no compute
+        builder = BatchBuilder(config, PaddingPolicy(tp_size=2), alloc)
+        builder.add_verify_many(list(range(16)), contexts, np.full(16, 4), np.zeros(64, np.int64))
+        step = builder.build_step()
+        builder.commit(step, accepted=np.full(16, 4))
+        plan = PlanSource.of(step, alloc.persistent).plan()
+        sizes.append(_plan_bytes(plan))
+        lo, hi = 8, 12                                                       # rows of requests 2 and 3
+        rows = plan.entry_rows_in("idx", lo, hi)
+        visible = visible_entries(plan.positions[lo:hi], 4)
+        assert rows.shape == (hi - lo, int(visible.max()))
+        c = np.arange(rows.shape[1])[None, :]
+        want = physical_rows(alloc.persistent.table("idx"), plan.table_row[lo:hi],
+                             np.where(c < visible[:, None], c, -1), 32, ring=False)
+        np.testing.assert_array_equal(rows, want)
+        assert (rows[:, :int(visible.min())] >= 0).all()                      # the history is mapped
+    assert sizes[0] == sizes[1], sizes
