@@ -53,7 +53,9 @@ VOCAB_ALIGN = MIN_COLUMNS
 GREEDY_TILE = (8, 1024)
 #: Cube tiles of the LM head: bf16 B operand tk * tn * 2 B <= 64 KB (L0B), k 256 x n 128 as o_proj's.
 LM_TK, LM_TN, LM_TK_L1 = 256, 128, 1024
-#: Vector tiles of the Markov head's bias add and first-maximum scan (rows, vocabulary columns).
+#: Vector tiles of the Markov head's bias add and first-maximum scan (rows, vocabulary columns). FLASH-DSpark,
+#: R = 64, 5 block rows: 5,018,082 cycles with (8, 1024), 5,060,831 with (4, 2048); (16, 1024) and (8, 2048)
+#: gave no cycle count (their runs ended without one; the cause was not looked into).
 MARKOV_TILE = GREEDY_TILE
 #: Rows of a confidence-head vector tile (a [rows, D] fp32 tile: 64 KB of the 192 KB UB at D = 4096).
 CONFIDENCE_ROWS = 4
