@@ -364,6 +364,9 @@ class _Runner:
     group: Any = attrs.field(init=False, default=None)
     """The distributed mode's :class:`~dspark_kernels.model.tp.RankGroup` (persistent form), started at the first
     step."""
+    drafter: tuple[Any, ModelWeights, str] | None = attrs.field(init=False, default=None)
+    """(DrafterRecipe, target weights, feature reduction) of a DSpark drafter that runs in the group's rank processes
+    (:func:`_drafter_in_ranks`); attached when the group starts."""
 
     def __attrs_post_init__(self) -> None:
         self.stages = resolve_backend(self.backend, self.precision)
@@ -419,6 +422,8 @@ class _Runner:
         if self.group is None:
             self.group = tp.RankGroup(step.policy.tp_size, self.allocator.persistent, attention=self.backend,
                                       precision=self.precision)
+            if self.drafter is not None:
+                self.group.attach_drafter(*self.drafter)
         batch = step
         ranks = self.group.run(tp.DistributedJob(step, tokens, self.weights, self.caches, precision=self.precision,
                                                  backend=self.backend), self.allocator.persistent.slots)
@@ -435,6 +440,87 @@ class _Runner:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+@attrs.define
+class _GroupDrafter:
+    """The caller's side of a DSpark drafter that runs in the distributed runner's rank processes (a
+    :class:`ConditionedDrafter`): every rank holds its own drafter (TP over the group, ``tp_mode="distributed"``)
+    and its last step's target features, so observe sends only which rows each request committed (its positions;
+    ``features`` must be None) and draft returns rank 0's ``DraftOutput``. Errors a rank's drafter raises
+    (``drafter.gap``, ...) arrive as raised, nothing written."""
+
+    runner: _Runner
+
+    def _group(self) -> Any:
+        if self.runner.group is None:   # no step ran yet: no request was observed
+            raise ABIError([Issue("drafter.unknown_request", "request_ids", "no step has run on the TP group yet",
+                                  expected="a step before the drafter is used", actual="no group",
+                                  fix="observe the request's prompt (its target features) first")])
+        return self.runner.group
+
+    def attach(self, tables: PersistentTables) -> None:
+        """Nothing to attach here: each rank attaches its drafter to its own mirror of the persistent tables,
+        which equals the allocator's after every step. So ``tables`` must be the runner's allocator's
+        (``config.mismatch`` otherwise: the ranks could not mirror other tables)."""
+        if tables is not self.runner.allocator.persistent:
+            raise ABIError([Issue("config.mismatch", "tables", "a drafter in the TP group's rank processes reads the "
+                                  "ranks' mirrors of the loop allocator's persistent tables", expected="the "
+                                  "allocator's persistent tables", actual="other tables",
+                                  fix="attach allocator.persistent")])
+
+    def observe(self, request_ids: Sequence[int], positions: Sequence[np.ndarray],
+                features: Sequence[np.ndarray] | None = None) -> None:
+        """The rows each request committed in the last step (``positions[i]``: contiguous, from its first row's
+        position); their features are the ranks' own (``features`` None; arrays are refused: they would be
+        ignored)."""
+        pos = [np.asarray(p, np.int64).reshape(-1) for p in positions]
+        issues = [] if features is None else [
+            Issue("config.invalid", "features", "the drafter runs in the rank processes, which hold the step's "
+                  "target features", expected=None, actual=f"{len(features)} arrays", fix="pass features=None")]
+        issues += [Issue("positions.not_contiguous", "positions", "a request's committed rows are contiguous",
+                         index=i, request=int(r), expected="start, start + 1, ...", actual=p.tolist())
+                   for i, (r, p) in enumerate(zip(request_ids, pos, strict=True))
+                   if p.size == 0 or np.any(np.diff(p) != 1)]
+        if issues:
+            raise ABIError(issues)
+        self._group().drafter_observe(request_ids, [int(p[0]) for p in pos], [p.size for p in pos])
+
+    def draft(self, request_ids: Sequence[int], anchors: np.ndarray, anchor_positions: np.ndarray) -> DraftBlock:
+        out: DraftBlock = self._group().drafter_draft(request_ids, anchors, anchor_positions)
+        return out
+
+    def release(self, request_ids: Sequence[int]) -> None:
+        self._group().drafter_release(request_ids)
+
+
+def _drafter_in_ranks(runner: _Runner, drafter: ConditionedDrafter | None, reduction: FeatureReduction
+                      ) -> ConditionedDrafter | None:
+    """The drafter the loop talks to: a :class:`_GroupDrafter` when the steps run on a distributed rank group
+    (persistent tables) and ``drafter`` is a DSpark drafter that knows how it was made (``recipe``): its copies
+    then run in the rank processes and target features never leave them. Otherwise ``drafter`` itself, in the
+    calling process (other drafters, the full table form, single and threads modes)."""
+    from dspark_kernels.drafter import DSparkDrafter
+
+    if (runner.mode != "distributed" or runner.tables != "persistent" or not isinstance(drafter, DSparkDrafter)
+            or drafter.recipe is None):
+        return drafter
+    runner.drafter = (drafter.recipe, drafter.target, reduction)
+    return _GroupDrafter(runner)
+
+
+def _advance_group_drafter(drafter: _GroupDrafter, committed: list[tuple[int, int, int, int]],
+                           finished: Callable[[int], bool], observed: set[int]) -> None:
+    """:func:`_advance_drafter` for a drafter in the rank processes: the committed rows go as positions alone (the
+    ranks hold the features), then the finished requests are released."""
+    going = [c for c in committed if not finished(c[0])]
+    if going:
+        drafter.observe([i for i, *_ in going], [np.arange(p, p + n, dtype=np.int64) for _, p, _, n in going])
+        observed.update(i for i, *_ in going)
+    done = sorted(i for i, *_ in committed if finished(i) and i in observed)
+    if done:
+        drafter.release(done)
+        observed.difference_update(done)
 
 
 def _runner(config: ModelConfig, weights: ModelWeights, caches: ModelCaches | None, allocator: BlockAllocator | None,
@@ -637,6 +723,11 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     in prefill, and a verify request for every other unfinished request (its anchor and up to ``K`` drafts,
     fewer near ``max_new_tokens`` or the position limit). tp / tp_mode: the TP group size and how its ranks run
     (:data:`TP_MODES`); backend / precision as :func:`dspark_kernels.prefill`.
+    In ``"distributed"`` mode on the persistent form a ``DSparkDrafter`` with a ``recipe`` (made by ``random`` or
+    ``from_checkpoint``) runs in the rank processes (TP over the group): each rank keeps its step's target
+    features, the loop sends only which rows were committed, ``VerifyOutput.target_hidden`` is None and the
+    ``drafter`` object itself is never called. Other drafters, a DSpark drafter built from weights in memory and
+    the full table form keep the drafter in this process, fed the features each step returns.
 
     drafter: a :class:`Drafter` (``propose`` from the token contexts) or a :class:`ConditionedDrafter` (the
     DSpark drafter): it is attached to the allocator's persistent tables first (its window lives in their ``ori``
@@ -671,6 +762,7 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
     runner, alloc = _runner(cfg, weights, caches, allocator, [t.size + max_new_tokens + K + 1 for t in tokens],
                             tp_mode, backend, precision, slack, tables)
     conditioned = drafter if isinstance(drafter, ConditionedDrafter) else None
+    conditioned = _drafter_in_ranks(runner, conditioned, features)
     if conditioned is not None:     # its window lives in the allocator's ori pool: current after every commit
         conditioned.attach(alloc.persistent)
     builder = BatchBuilder(cfg, PaddingPolicy(tp_size=tp), alloc)
@@ -734,7 +826,9 @@ def generate(prompts: Sequence[Sequence[int] | np.ndarray], weights: ModelWeight
                 outputs.append(VerifyOutput(request_id=i, position=anchor, width=int(width[k]), accepted=m + 1,
                                             accepted_tokens=kept, bonus=int(outcome.bonus[k]),
                                             target_hidden=None if target is None else target[rows].copy()))
-            if conditioned is not None and target is not None:
+            if isinstance(conditioned, _GroupDrafter):   # the rank processes hold the features
+                _advance_group_drafter(conditioned, committed, finished, observed)
+            elif conditioned is not None and target is not None:
                 _advance_drafter(conditioned, committed, target, finished, observed)
             steps.append(StepRecord(batch=batch, prefill_ids=tuple(pre), verify=tuple(outputs), accepted=accepted,
                                     seconds=time.perf_counter() - t0))

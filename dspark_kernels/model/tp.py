@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dspark_abi import PackedBatch
+from dspark_abi import ABIError, Issue, PackedBatch
 from dspark_abi.persistent import PersistentStep, PersistentTables
 from dspark_kernels.model.backends import Backend, resolve_backend
 from dspark_kernels.model.caches import ModelCaches
@@ -250,21 +250,110 @@ def launch(job: DistributedJob, *, backend: str = "gloo", device: str = "cpu",
 
 
 # ---------------------------------------------------------------------------------------------- rank group
+@attrs.define
+class _RankDrafter:
+    """A rank process's DSpark drafter (:meth:`RankGroup.attach_drafter`) and its last step's target features,
+    which the drafter observes from (they never leave the process)."""
+
+    drafter: Any
+    """The rank's ``dspark_kernels.drafter.DSparkDrafter`` (typed loosely: the model layer never imports the
+    drafter module, which imports the backends)."""
+    reduction: str
+    step: PackedBatch | PersistentStep | None = None
+    features: np.ndarray | None = None
+    """[P, T * D] float32 the last step's target features in ``reduction``."""
+
+    def keep(self, step: PackedBatch | PersistentStep, result: ForwardResult) -> ForwardResult:
+        """Keep the step's features here; the result returned to the caller carries none."""
+        self.step = step
+        self.features = result.target_hidden if self.reduction == "mean" else result.target_hidden_hc_head
+        return attrs.evolve(result, target_hidden=None, target_hidden_hc_head=None)
+
+    def observe(self, request_ids: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
+        """The drafter observes each request's ``counts[i]`` committed rows of the last step, from position
+        ``first[i]`` (its first row's): ``commit.accepted`` for rows that are not the request's in that step."""
+        step, feats = self.step, self.features
+        if step is None or feats is None:
+            raise ABIError([Issue("commit.accepted", "request_ids", "no step with target features ran on this group "
+                                  "since the drafter was attached", expected="a step before observe", actual="none",
+                                  fix="observe the rows of a step after running it")])
+        order = {int(r): k for k, r in enumerate(step.requests.ids)}
+        starts = np.asarray(step.query_start_loc, np.int64)
+        issues = []
+        rows: list[int] = []
+        for i, (r, p, n) in enumerate(zip(request_ids.tolist(), first.tolist(), counts.tolist(), strict=True)):
+            k = order.get(r)
+            if k is None or not 1 <= n <= starts[k + 1] - starts[k] or int(step.positions[starts[k]]) != p:
+                issues.append(Issue("commit.accepted", "counts", "the observed rows are not the first rows of the "
+                                    "request in the group's last step", index=i, request=r,
+                                    expected=None if k is None else [int(step.positions[starts[k]]),
+                                                                     int(starts[k + 1] - starts[k])],
+                                    actual=[p, n], fix="observe the committed rows of the step just run"))
+            else:
+                rows.append(int(starts[k]))
+        if issues:
+            raise ABIError(issues)
+        self.drafter.observe([int(r) for r in request_ids],
+                             [np.arange(p, p + n, dtype=np.int64) for p, n in zip(first.tolist(), counts.tolist(),
+                                                                                   strict=True)],
+                             [feats[row: row + n] for row, n in zip(rows, counts.tolist(), strict=True)])
+
+
+def _drafter_message(kind: str, payload: Any, held: _RankDrafter | None, mirror: PersistentTables, tp_size: int,
+                     rank: int) -> tuple[Any, _RankDrafter | None]:
+    """(reply value, the rank's drafter afterwards) of one drafter message; raises :class:`ABIError` with nothing
+    changed (the drafter checks before it writes). A new drafter's window lives in the ori pool of the rank's
+    mirror, which applies every step before its forward (so it equals the allocator's tables when the drafter
+    observes a step's committed rows and drafts before the next one)."""
+    if kind == "drafter":
+        recipe, weights, reduction = payload
+        built = recipe.build(weights, tp=tp_size, tp_mode="distributed")
+        built.attach(mirror)
+        return None, _RankDrafter(built, reduction)
+    if held is None:
+        raise ABIError([Issue("config.invalid", "drafter", "no drafter runs in this TP group", expected="a drafter",
+                              actual="none", fix="RankGroup.attach_drafter(recipe, target, reduction) first")])
+    if kind == "observe":
+        held.observe(*payload)
+        return None, held
+    if kind == "draft":
+        out = held.drafter.draft(*payload)
+        return (out if rank == 0 else None), held   # every rank computes the same output: one ships it
+    held.drafter.release(payload)
+    return None, held
+
+
+#: Messages a rank answers about its drafter: an ABIError they raise is reported and the rank keeps serving.
+_DRAFTER_MESSAGES = ("drafter", "observe", "draft", "drafter_release")
+
+
 def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: str, inboxes: Any, out: Any,
                 tables: dict[str, np.ndarray], config: Any, pool_blocks: Any, attention: Backend | None) -> None:
     """One rank process of a :class:`RankGroup`: it loads its mirror of the persistent tables once, then per message
-    applies a step's delta to it (as a device table is updated) and runs its rank of the step."""
+    applies a step's delta to it (as a device table is updated) and runs its rank of the step; with a drafter
+    attached, it keeps the step's target features and answers the drafter's observe / draft / release."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     mirror = PersistentTables.from_arrays(config, pool_blocks, tables)   # proven once, then kept by deltas
+    held: _RankDrafter | None = None
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=tp_size)
     try:
         while True:
             kind, payload = inboxes[rank].get()
             if kind == "stop":
                 return
+            if kind in _DRAFTER_MESSAGES:
+                try:
+                    value, held = _drafter_message(kind, payload, held, mirror, tp_size, rank)
+                    out.put((kind, rank, value))
+                except ABIError as exc:   # checked before anything was written: the rank keeps serving
+                    out.put(("refused", rank, exc))
+                except Exception as exc:  # reported to the caller, which stops the group
+                    out.put(("error", rank, exc))
+                    return
+                continue
             try:
                 if kind == "mirror":
                     out.put(("mirror", rank, mirror.to_arrays()))
@@ -277,9 +366,12 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
                 mirror.grow(slots)
                 if isinstance(job.batch, PersistentStep):
                     mirror.apply(job.batch)            # the step's delta alone: never the whole tables
-                    out.put(("result", rank, _run_job(job, mirror, device=device, attention=attention)))
+                    done = _run_job(job, mirror, device=device, attention=attention)
                 else:
-                    out.put(("result", rank, _run_job(job, None, device=device, attention=attention)))
+                    done = _run_job(job, None, device=device, attention=attention)
+                if held is not None:                   # the features stay here, for the drafter's observe
+                    done = RankResult(done.rank, held.keep(job.batch, done.result), done.caches)
+                out.put(("result", rank, done))
             except Exception as exc:  # reported to the caller, which stops the group
                 out.put(("error", rank, exc))
                 return
@@ -298,6 +390,14 @@ class RankGroup:
     :meth:`mirrors` returns each rank's mirror (``to_arrays()``).
     ``slots``: the allocator's slot count, sent with each step (the mirror grows as the allocator's tables do).
     Use as a context manager (:meth:`close` stops the processes).
+
+    The DSpark drafter can run in the group too (:meth:`attach_drafter`): each rank builds its own
+    ``DSparkDrafter(tp=tp_size, tp_mode="distributed")`` from a picklable recipe, keeps its last step's target
+    features (the steps' results then carry none: features never cross a process boundary), and answers
+    :meth:`drafter_observe` (which rows of that step each request committed), :meth:`drafter_draft` (rank 0's
+    ``DraftOutput``) and :meth:`drafter_release`. An :class:`~dspark_abi.ABIError` a drafter raises (e.g.
+    ``drafter.gap``; the drafter checks before it writes, identically on every rank) reaches the caller as raised
+    and the group keeps serving; any other failure of a rank stops the group.
     """
 
     def __init__(self, tp_size: int, tables: PersistentTables, *, backend: str = "gloo", device: str = "cpu",
@@ -319,27 +419,59 @@ class RankGroup:
 
     def run(self, job: DistributedJob, slots: int) -> list[RankResult]:
         """Every rank's result of ``job`` (a step the ranks' mirrors have not applied yet)."""
-        for box in self._inboxes:
-            box.put(("job", (job, slots)))
+        self._send("job", (job, slots))
         return self._collect("result")
 
     def release(self, slot: int) -> None:
         """Release ``slot`` on every rank's mirror, as the allocator released it (``BlockAllocator.release``): its
         generation advances there too, so the mirrors stay equal to the allocator's tables."""
-        for box in self._inboxes:
-            box.put(("release", slot))
+        self._send("release", slot)
         self._collect("released")
+
+    def attach_drafter(self, recipe: Any, target: ModelWeights, reduction: str = "mean") -> None:
+        """Every rank builds ``recipe``'s drafter (a ``dspark_kernels.drafter.DrafterRecipe``; typed loosely, as
+        the model layer never imports the drafter) on ``target`` (TP over the group, ``tp_mode="distributed"``) and
+        from the next step on keeps that step's target features in ``reduction`` for it (the mean of the hc
+        streams, or ``"hc_head"``); the steps' results carry no features any more."""
+        self._send("drafter", (recipe, target, reduction))
+        self._collect("drafter")
+
+    def drafter_observe(self, request_ids: Sequence[int], first: Sequence[int], counts: Sequence[int]) -> None:
+        """The ranks' drafters observe ``counts[i]`` committed rows of request ``request_ids[i]`` of the last step,
+        from position ``first[i]`` (the request's first row in that step), their features from the ranks' copies
+        (``commit.accepted`` for rows that are not the request's first rows in it; the drafter's own errors, e.g.
+        ``drafter.gap``, as it raises them; nothing written on any of them)."""
+        self._send("observe", (np.asarray(request_ids, np.int64).reshape(-1), np.asarray(first, np.int64).reshape(-1),
+                               np.asarray(counts, np.int64).reshape(-1)))
+        self._collect("observe")
+
+    def drafter_draft(self, request_ids: Sequence[int], anchors: np.ndarray, anchor_positions: np.ndarray) -> Any:
+        """The ranks' packed draft (``DSparkDrafter.draft``) of the requests, TP over the group: rank 0's
+        ``DraftOutput``."""
+        self._send("draft", ([int(r) for r in request_ids], np.asarray(anchors), np.asarray(anchor_positions)))
+        return self._collect("draft")[0]
+
+    def drafter_release(self, request_ids: Sequence[int]) -> None:
+        """The ranks' drafters forget the requests (``DSparkDrafter.release``)."""
+        self._send("drafter_release", [int(r) for r in request_ids])
+        self._collect("drafter_release")
+
+    def _send(self, kind: str, payload: Any) -> None:
+        for box in self._inboxes:
+            box.put((kind, payload))
 
     def mirrors(self) -> list[dict[str, np.ndarray]]:
         """Each rank's mirror of the persistent tables, as ``PersistentTables.to_arrays()``."""
-        for box in self._inboxes:
-            box.put(("mirror", None))
+        self._send("mirror", None)
         return self._collect("mirror")
 
     def _collect(self, kind: str) -> list[Any]:
+        """Every rank's answer to one message. Refusals (a drafter's ABIError) raise rank 0's error once every rank
+        answered: all refused alike, so the group stays usable; ranks that disagree stop it."""
         got: dict[int, Any] = {}
+        refused: dict[int, ABIError] = {}
         deadline = time.monotonic() + self.timeout
-        while len(got) < self.tp_size:
+        while len(got) + len(refused) < self.tp_size:
             try:
                 what, rank, value = self._out.get(timeout=1.0)
             except queue.Empty:
@@ -351,8 +483,14 @@ class RankGroup:
             if what == "error":
                 self.close()
                 raise value
-            if what == kind:
+            if what == "refused":
+                refused[rank] = value
+            elif what == kind:
                 got[rank] = value
+        if refused:
+            if got:   # the ranks' drafters disagree: their replicated state can no longer be trusted
+                self.close()
+            raise refused[min(refused)]
         return [got[r] for r in range(self.tp_size)]
 
     def close(self) -> None:

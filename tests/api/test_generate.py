@@ -341,15 +341,57 @@ def test_dspark_drafter_adaptive_width(weights):
 
 
 @pytest.mark.distributed
-def test_dspark_drafter_on_rank_processes(weights):
-    """TP 2 with one process per target rank (the drafter runs on the host): tokens equal threads' plain run."""
-    short = [prompts()[0], prompts()[1][:9]]
+def test_dspark_drafter_runs_in_the_rank_processes(weights):
+    """TP 2 with one process per rank: the DSpark drafter runs there (TP 2 over the group, fed by each rank's own
+    target features), not in the caller. Tokens equal plain greedy decoding; every step's rows (so every draft)
+    and the acceptance equal the same loop's with the drafter as a single group in the caller (threads TP, the
+    ranks' arithmetic; the drafter's TP drafts equal its single group's: tests/model/test_drafter.py); no step
+    brings target features back to the caller, whose drafter is never called."""
     from dspark_kernels.speculative import greedy_decode
 
-    reference = greedy_decode(short, weights, 4, tp=2, tp_mode="threads")
-    got = generate(short, weights, dspark(weights), 4, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
+    short = [prompts()[0], prompts()[1][:9]]
+    reference = greedy_decode(short, weights, 6, tp=2, tp_mode="threads")
+    single = generate(short, weights, dspark(weights), 6, B, tp=2, tp_mode="threads", prefill_chunk=CHUNK)
+    caller = dspark(weights)
+    got = generate(short, weights, caller, 6, B, tp=2, tp_mode="distributed", prefill_chunk=CHUNK)
     for i, tokens in reference.tokens.items():
         np.testing.assert_array_equal(got.tokens[i], tokens)
+    assert len(got.steps) == len(single.steps) and got.accepted_lengths == single.accepted_lengths
+    for mine, theirs in zip(got.steps, single.steps, strict=True):
+        np.testing.assert_array_equal(mine.batch.token_ids, theirs.batch.token_ids)   # anchors and drafts
+        np.testing.assert_array_equal(mine.accepted, theirs.accepted)
+    verified = [v for s in got.steps for v in s.verify]
+    assert verified and all(v.target_hidden is None for v in verified)
+    assert all(v.target_hidden is not None for s in single.steps for v in s.verify)
+    assert getattr(caller, "released", []) == []      # in the caller's place, it would have released every request
+
+
+def test_the_rank_group_proxy_attaches_only_the_allocators_tables(weights):
+    """The distributed loop's caller-side drafter (its copies run in the rank processes, each attached to its own
+    mirror of the allocator's tables): attach checks the tables are the allocator's and changes nothing; before a
+    step started the group, draft and observe name no known request."""
+    from dspark_kernels.speculative import _drafter_in_ranks, _runner
+
+    runner, alloc = _runner(CFG, weights, None, None, [16], "distributed", "reference", "fp32", 8)
+    proxy = _drafter_in_ranks(runner, DSparkDrafter.random(CFG, weights, seed=5), "mean")
+    assert isinstance(proxy, ConditionedDrafter) and not isinstance(proxy, DSparkDrafter)
+    assert runner.drafter is not None and runner.drafter[2] == "mean"
+    proxy.attach(alloc.persistent)
+    with pytest.raises(ABIError) as err:
+        proxy.attach(alloc.persistent.copy())
+    assert [(i.code, i.field) for i in err.value.issues] == [("config.mismatch", "tables")]
+    with pytest.raises(ABIError) as err:
+        proxy.draft([0], np.array([1]), np.array([4]))
+    assert err.value.issues[0].code == "drafter.unknown_request"
+    with pytest.raises(ABIError) as err:                  # features stay in the ranks: arrays are refused
+        proxy.observe([0], [np.arange(3)], [np.zeros((3, 1), np.float32)])
+    assert [i.code for i in err.value.issues] == ["config.invalid"]
+    # other drafters, a drafter built from weights in memory and the other modes keep the caller's drafter
+    in_memory = DSparkDrafter(CFG, DSparkDrafter.random(CFG, weights, seed=5).weights, weights)
+    assert in_memory.recipe is None and _drafter_in_ranks(runner, in_memory, "mean") is in_memory
+    single, _ = _runner(CFG, weights, None, None, [16], "single", "reference", "fp32", 8)
+    local = DSparkDrafter.random(CFG, weights, seed=5)
+    assert _drafter_in_ranks(single, local, "mean") is local
 
 
 def test_dspark_drafter_near_the_position_limit():

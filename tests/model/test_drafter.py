@@ -632,3 +632,12 @@ def _observed_alone(rid: int, n: int) -> DSparkDrafter:
     d = _drafter()
     _observe(d, {rid: n})
     return d
+
+
+def test_draft_attention_is_a_deprecated_alias_of_the_stage_registry():
+    from dspark_kernels import drafter
+
+    with pytest.warns(DeprecationWarning, match="DRAFTER_STAGES"):
+        old = drafter.DRAFT_ATTENTION
+    assert old == {name: stages["attention"] for name, stages in drafter.DRAFTER_STAGES.items()}
+    assert _drafter()._markov_heads.__module__ == "dspark_kernels.reference.markov"   # the reference's stages

@@ -195,3 +195,28 @@ def test_drafter_shards_written_alone_equal_those_of_the_whole_checkpoint(checkp
     np.testing.assert_array_equal(a.main_proj, b.main_proj)
     np.testing.assert_array_equal(a.stage(2).attn.wo_b, b.stage(2).attn.wo_b)
     np.testing.assert_array_equal(a.stage(0).moe.w2[1], b.stage(0).moe.w2[1])
+
+
+def test_a_drafters_recipe_rebuilds_it(checkpoint: Path):
+    """``drafter.recipe`` (what a TP rank process builds its own drafter from, e.g. in the distributed loop) is
+    small and picklable and rebuilds a drafter that drafts exactly what the original drafts, for a checkpoint's
+    drafter and a random one; a drafter built from weights in memory has none."""
+    import pickle
+
+    target = ModelWeights.from_safetensors(checkpoint, C)
+    feats = np.random.default_rng(0).standard_normal((12, FEATURES)).astype(np.float32)
+    for made in (DSparkDrafter.from_checkpoint(checkpoint, C, target, keep_layers=True),
+                 DSparkDrafter.random(C, target, seed=4)):
+        assert made.recipe is not None
+        shipped = pickle.dumps(made.recipe)
+        assert len(shipped) < 20_000                  # a recipe, not weights
+        rebuilt = pickle.loads(shipped).build(target, tp=2, tp_mode="threads")
+        assert rebuilt.recipe == made.recipe and rebuilt.tp == 2
+        outs = []
+        for d in (made, rebuilt):
+            steps = Steps(C)
+            steps.attach(d)
+            d.observe([3], [steps.step({3: 12})[3]], [feats])
+            outs.append(d.draft([3], np.array([5]), np.array([12])))
+        np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
+    assert DSparkDrafter(C, DrafterWeights.random(C, 4), target).recipe is None

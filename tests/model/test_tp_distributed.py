@@ -126,3 +126,66 @@ def test_rank_group_mirrors_follow_the_allocator_by_deltas_alone():
         for rank, mirror in enumerate(group.mirrors()):
             for name, array in want.items():
                 np.testing.assert_array_equal(mirror[name], array, err_msg=f"rank {rank} {name} after release")
+
+
+@pytest.mark.distributed
+def test_rank_group_drafter_keeps_features_and_refuses_with_nothing_written():
+    """The DSpark drafter in a RankGroup's rank processes (TP 2 over the group): a step's results carry no target
+    features (they stay in the ranks); the drafter observes the step's committed rows by position alone and drafts
+    what a single-group drafter in this process drafts from the same features (the in-process ranks', bit-equal to
+    the rank processes'); a coded error raised in the ranks (a request twice in one observe, rows that are not
+    the step's, an anchor that does not follow the history, an unknown request) reaches the caller as the same
+    ABIError, nothing written (the next observe continues the history as if the refused call never came) and the
+    group keeps serving."""
+    from dspark_abi import BatchBuilder
+    from dspark_kernels.drafter import DSparkDrafter
+    from dspark_kernels.model.tp import RankGroup
+
+    from .conftest import tokens_of
+    from .test_drafter import K_DRAFT
+
+    s = Session(tp=2, config=TINY_DSPARK)
+    lengths = {0: 20, 1: 12}
+    builder = BatchBuilder(TINY_DSPARK, s.policy, s.alloc)
+    for queue in range(2):
+        for rid, n in lengths.items():
+            builder.add(rid, num_cached=0, num_new=n, token_ids=tokens_of(rid)[:n])
+        if queue == 0:
+            batch = builder.build()
+    step = builder.build_step()
+    single = DSparkDrafter.random(TINY_DSPARK, s.weights, seed=5)
+    assert single.recipe is not None
+    threads = run_tp_inprocess(batch, batch.token_ids, s.weights, s.caches.copy())[0].result
+    starts = batch.query_start_loc.tolist()
+    with RankGroup(2, s.alloc.persistent, timeout=LAUNCH_TIMEOUT_S) as group:
+        group.attach_drafter(single.recipe, s.weights)
+        ranks = group.run(DistributedJob(step, step.token_ids, s.weights, s.caches), s.alloc.persistent.slots)
+        assert all(r.result.target_hidden is None and r.result.target_hidden_hc_head is None for r in ranks)
+        np.testing.assert_array_equal(ranks[0].result.logits, threads.logits)   # the step ran as before
+        builder.commit(step)
+        refusals = [(lambda: group.drafter_observe([1, 0, 0], [0, 0, 0], [12, 3, 3]), "request_ids"),
+                    (lambda: group.drafter_observe([0], [1], [4]), "counts"),
+                    (lambda: group.drafter_observe([0], [0], [21]), "counts"),
+                    (lambda: group.drafter_draft([5], np.array([1]), np.array([0])), "request_ids")]
+        for call, field in refusals:
+            with pytest.raises(ABIError) as err:
+                call()
+            assert err.value.issues[0].field == field, err.value.issues
+        group.drafter_observe([0, 1], [0, 0], [20, 12])       # continues from nothing: nothing was written
+        single.attach(s.alloc.persistent)                     # the tables the ranks' mirrors equal
+        single.observe([0, 1], [np.arange(20), np.arange(12)],
+                       [threads.target_hidden[starts[k]: starts[k] + n] for k, n in enumerate(lengths.values())])
+        anchors = np.array([tokens_of(0)[20], tokens_of(1)[12]])
+        with pytest.raises(ABIError) as err:
+            group.drafter_draft([0, 1], anchors, np.array([20, 11]))
+        assert [(i.code, i.request) for i in err.value.issues] == [("drafter.gap", 1)]
+        got = group.drafter_draft([0, 1], anchors, np.array([20, 12]))
+        want = single.draft([0, 1], anchors, np.array([20, 12]))
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        # the ranks' TP 2 draft vs the single group: two summation orders over the drafter (test_drafter.py)
+        np.testing.assert_allclose(got.confidence, want.confidence, rtol=0,
+                                   atol=order_atol(want.confidence, K_DRAFT, 4))
+        group.drafter_release([0])
+        with pytest.raises(ABIError) as err:
+            group.drafter_draft([0], anchors[:1], np.array([20]))
+        assert err.value.issues[0].code == "drafter.unknown_request"
