@@ -44,8 +44,10 @@ sorts them in four column tiles of 4,096 and merges the winners, ``dspark_kernel
 per part (three drafter stages, the drafter's head, each verify layer kind times its count in the FLASH schedule,
 the verify step's once-per-call stages) and in total, per die, with the round's ms per die and the tokens/s per die
 it gives between every first draft rejected (R tokens per round) and every draft accepted (R x (1 + K)). The
-Markov and confidence heads run on the host (no kernel) and are not priced, nor is the drafter's observe of the
-accepted rows.
+drafter's head includes its Markov head (one call: the B block rows left to right) and confidence head; the round
+ends with the drafter's observe of the accepted rows (at most K + 1 per request: ``main_x`` and each stage's window
+keys, the shared kv kernel at the verify step's P, whose cycles the verify table holds). Not priced: the FP8 step
+of the drafter's keys (on the host) and the all-gathers.
 
 Usage: python benchmarks/bench_pypto.py [--quick] [--rows P] [--layer-rows P] [--tp TP] [--requests R]
 [--stages ...] [--tables-only] [--round] [--json PATH] [--reuse PATH [--rerun STAGE ...]]   (from the repo root;
@@ -192,7 +194,10 @@ STAGES = tuple(name for name, _, _ in STAGE_TABLE)
 #: Kernels only the DSpark drafter calls (``--round``): its non-causal attention core over the W ring keys of
 #: committed context plus the B block rows' own keys (the sparse-attention kernel with the block rows as its
 #: second key set).
-DRAFT_TABLE = (("draft_attn", "L", "draft: sparse attention core over W ring + B block keys (non-causal)"),)
+DRAFT_TABLE = (("draft_attn", "L", "draft: sparse attention core over W ring + B block keys (non-causal)"),
+               ("markov", "R", "draft: Markov head, B block rows left to right in one call (bias, first max)"),
+               ("confidence", "P", "draft: confidence head ([h ; markov_w1[previous]] @ proj)"),
+               ("main_x", "P", "observe: main_proj [T*D -> D] + RMSNorm of the accepted rows"))
 _ROWS_KIND = {name: kind for name, kind, _ in STAGE_TABLE + DRAFT_TABLE}
 LABELS = {name: label for name, _, label in STAGE_TABLE + DRAFT_TABLE}
 
@@ -232,6 +237,8 @@ def stage_rows(stage: str, p_rows: int, tp: int, requests: int = 1, logit_rows: 
         return p_rows // tp
     if kind == "M":
         return requests if logit_rows is None else logit_rows
+    if kind == "R":
+        return requests
     return boundaries(p_rows, 4 if kind == "B4" else 128)
 
 
@@ -371,6 +378,8 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int, depth: int = D
                                     np.zeros((requests * c.sliding_window, d), bf), np.zeros((requests * b, d), bf),
                                     np.zeros(h, np.float32), np.ones((local, rd // 2), bf),
                                     np.zeros((local, rd // 2), bf), scale=c.softmax_scale).cycles
+    if stage in ("markov", "confidence", "main_x"):
+        return _drafter_cycles(stage, p_rows, requests)
     if stage == "o_proj":
         from dspark_kernels.pypto.o_proj import run_o_proj
 
@@ -381,6 +390,28 @@ def stage_cycles(stage: str, p_rows: int, tp: int, requests: int, depth: int = D
     if stage in ("hc_head", "final_hidden", "lm_head", "greedy"):
         return _head_cycles(stage, p_rows, tp, requests, logit_rows)
     raise ValueError(stage)
+
+
+def _drafter_cycles(stage: str, p_rows: int, requests: int) -> int | None:
+    """The drafter's own kernels at FLASH-DSpark sizes: the Markov head over R requests' B block rows (one call),
+    the confidence head over the P block rows, ``main_x`` over P observed rows."""
+    import ml_dtypes
+
+    c, bf = FLASH_DSPARK, ml_dtypes.bfloat16
+    x, v, rank, b = c.hidden_size, c.vocab_size, c.dspark_markov_rank, c.dspark_block_size
+    if stage == "main_x":
+        from dspark_kernels.pypto.projections import run_linear_norm
+
+        width = len(c.dspark_target_layers) * x
+        return run_linear_norm(np.zeros((p_rows, width), bf), np.zeros((x, width), bf), np.ones(x, np.float32),
+                               c.rms_norm_eps).cycles
+    from dspark_kernels.pypto.markov import run_confidence, run_markov
+
+    w1 = np.zeros((v, rank), np.float32)
+    if stage == "markov":
+        return run_markov(np.zeros((requests, b, v), np.float32), np.zeros(requests, np.int64), w1, w1).cycles
+    return run_confidence(np.zeros((p_rows, x), np.float32), np.zeros(p_rows, np.int64), w1,
+                          np.zeros(x + rank, np.float32)).cycles
 
 
 def _scatter_geometry(stage: str, p_rows: int) -> tuple[int, int, Any]:
@@ -546,6 +577,10 @@ def stage_roofline(stage: str, p_rows: int, tp: int, requests: int, depth: int =
         "sparse_attn_csa": lambda: attention(k),
         "sparse_attn_hca": lambda: attention(n_hca),
         "draft_attn": lambda: attention(FLASH_DSPARK.dspark_block_size),
+        "markov": lambda: _markov_roofline(requests),
+        "confidence": lambda: roofline(0, 0, 4 * p_rows * x + 2 * p_rows * FLASH_DSPARK.dspark_markov_rank
+                                       + 4 * (x + FLASH_DSPARK.dspark_markov_rank) + 8 * p_rows),
+        "main_x": lambda: _main_x_roofline(p_rows),
         "o_proj": lambda: roofline(2 * local * h * d * ro, 2 * local * g * ro * x,
                                    2 * local * h * d + 2 * g * ro * (h * d // g) + x * g * ro + 4 * x
                                    + 2 * local * x),
@@ -578,6 +613,22 @@ def _experts_roofline(tokens: int) -> float:
     experts = expected_experts(tokens) + m.n_shared_experts
     return roofline(0, 2 * tokens * (k + m.n_shared_experts) * 3 * inter * x,
                     experts * per_expert + tokens * (x + 4) + 2 * tokens * x)
+
+
+def _markov_roofline(requests: int) -> float:
+    """B steps of R rows: the [R, r] x [r, V] bias product each (bf16 markov_w2 read once), the base logits read
+    and the ids written once, the gathered markov_w1 rows."""
+    c = FLASH_DSPARK
+    b, v, rank = c.dspark_block_size, c.vocab_size, c.dspark_markov_rank
+    return roofline(2 * b * requests * rank * v, 0, 2 * v * rank + 4 * b * requests * v + 2 * b * requests * rank
+                    + 4 * requests + 4 * b * requests)
+
+
+def _main_x_roofline(rows: int) -> float:
+    """[P, T*D] x [D, T*D]^T in bf16 and the norm: features, main_proj and main_x once."""
+    c = FLASH_DSPARK
+    x, width = c.hidden_size, len(c.dspark_target_layers) * c.hidden_size
+    return roofline(2 * rows * width * x, 0, 2 * (rows * width + x * width + rows * x) + 4 * x)
 
 
 def _lm_head_roofline(rows: int, tp: int) -> float:
@@ -742,17 +793,21 @@ ROUND_REQUESTS, ROUND_DRAFTS, ROUND_CONTEXT = 64, 5, 65536
 #: the confidence head's input, hc_head + RMSNorm, then the LM head's vocabulary shard).
 DRAFT_STAGE_CALLS = (("hc_pre", 2), ("shared_kv", 1), ("query", 1), ("draft_attn", 1), ("o_proj", 1),
                      ("hc_post", 2), ("moe_gate", 1), ("moe_experts", 1))
-DRAFT_HEAD_CALLS = (("hc_head", 1), ("final_hidden", 1), ("lm_head", 1))
-#: Per-round work no kernel prices: the Markov head's left-to-right biased argmax and the confidence head run on
-#: the host (reference-only stages), and the drafter's observe of the accepted rows (main_proj, RMSNorm and each
-#: stage's window keys of at most K + 1 rows per request) is left out.
-ROUND_UNPRICED = ("markov head (host)", "confidence head (host)", "observe of accepted rows")
+DRAFT_HEAD_CALLS = (("hc_head", 1), ("final_hidden", 1), ("lm_head", 1), ("markov", 1), ("confidence", 1))
+#: Kernel calls of the drafter's observe of a round's accepted rows (at most K + 1 per request): ``main_x`` and
+#: each stage's window keys, the target's shared kv kernel at the verify step's rows (its cycles are the verify
+#: table's: the same kernel at the same P).
+OBSERVE_CALLS = (("main_x", 1), ("shared_kv", FLASH_DSPARK.n_mtp_layers))
+#: Per-round work no kernel prices: the FP8 step of the drafter's keys (the window keys of the observed rows and
+#: the block rows' own keys; on the host, as no a2a3 kernel has it) and the all-gathers.
+ROUND_UNPRICED = ("the FP8 step of the drafter's window and block keys (host)",)
 
 
 def round_geometries(requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS) -> dict[str, list[int]]:
-    """{"draft": [P, R], "verify": [P, R]} of one round: R x B block rows, R x (1 + K) verify rows."""
-    return {"draft": [requests * FLASH_DSPARK.dspark_block_size, requests], "verify": [requests * (1 + drafts),
-                                                                                      requests]}
+    """{"draft": [P, R], "verify": [P, R], "observe": [P, R]} of one round: R x B block rows, R x (1 + K) verify
+    rows, and as many observed rows (every draft accepted: the most the drafter observes)."""
+    return {"draft": [requests * FLASH_DSPARK.dspark_block_size, requests],
+            "verify": [requests * (1 + drafts), requests], "observe": [requests * (1 + drafts), requests]}
 
 
 def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRAFTS, context: int = ROUND_CONTEXT,
@@ -763,7 +818,7 @@ def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRA
     earlier: an earlier ``--round --json`` run's tables by (P, R) (``--reuse``)."""
     b, stages = FLASH_DSPARK.dspark_block_size, FLASH_DSPARK.n_mtp_layers
     geometry = round_geometries(requests, drafts)
-    (p_draft, _), (p_verify, _) = geometry["draft"], geometry["verify"]
+    (p_draft, _), (p_verify, _), (p_observe, _) = geometry["draft"], geometry["verify"], geometry["observe"]
     old = earlier or {}
     draft_names = sorted({n for n, _ in DRAFT_STAGE_CALLS + DRAFT_HEAD_CALLS}, key=list(LABELS).index)
     draft = measure(draft_names, p_draft, tp, requests,
@@ -772,6 +827,10 @@ def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRA
     verify = measure(list(STAGES), p_verify, tp, requests,
                      f"verify: R={requests} x (1 + K={drafts}) rows, {context} positions deep",
                      earlier=old.get((p_verify, requests)), depth=context, logit_rows=p_verify)
+    observe = measure(["main_x"], p_observe, tp, requests,
+                      f"observe: main_x of R={requests} x (1 + K={drafts}) accepted rows (the keys: the verify "
+                      f"table's shared kv)", earlier=old.get((p_observe, requests)), depth=context)
+    observed = {**observe, "shared_kv": verify["shared_kv"]}
     per_stage = [(f"draft stage x{stages}", stages, _sum(draft, DRAFT_STAGE_CALLS, p_draft)),
                  ("draft head", 1, _sum(draft, DRAFT_HEAD_CALLS, p_draft))]
     sums = layer_sums(verify, p_verify)
@@ -779,6 +838,7 @@ def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRA
     per_stage += [(f"verify {k.upper()} layer x{kinds.count(k)}", kinds.count(k),
                    (sums[k]["cycles"], sums[k]["roofline"], sums[k]["missing"])) for k in LAYER_STAGES]
     per_stage.append(("verify once (stage 1, head, hc_head x3)", 1, _sum(verify, FORWARD_ONCE, p_verify)))
+    per_stage.append((f"observe (main_x, {stages} stages' keys)", 1, _sum(observed, OBSERVE_CALLS, p_observe)))
     print(f"\none draft + verify round per die (TP={tp}, cube clock {CUBE_MHZ:.0f} MHz):")
     print(f"{'part':<42} {'cost-model cycles':>18} {'roofline cycles':>16} {'ratio':>7} {'us':>9}  missing")
     rows: dict[str, Any] = {}
@@ -800,7 +860,8 @@ def draft_round(tp: int, requests: int = ROUND_REQUESTS, drafts: int = ROUND_DRA
           f"{rates[1][1]:,.0f})")
     print(f"not priced: {', '.join(ROUND_UNPRICED)}; all-gathers are not priced")
     return {"requests": requests, "drafts": drafts, "context": context, "block": b, "draft": draft,
-            "verify": verify, "parts": rows, "cycles": total, "roofline": total_roof, "missing": sorted(missing),
+            "verify": verify, "observe": observe, "parts": rows, "cycles": total, "roofline": total_roof,
+            "missing": sorted(missing),
             "ms_per_die": total / CUBE_MHZ / 1e3, "tokens_per_round": list(tokens),
             "tokens_per_s_per_die": rates[0], "roofline_tokens_per_s_per_die": rates[1]}
 
@@ -811,7 +872,9 @@ def _earlier_tables(path: Path, tp: int, rerun: set[str]) -> dict[tuple[int, int
         old = json.loads(path.read_text())
         if old["tp"] != tp:
             raise SystemExit(f"--reuse {path}: it was run at TP={old['tp']}, not TP={tp}")
-        tables = {tuple(geometry): old[name] for name, geometry in old["geometries"].items()}
+        tables: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        for name, geometry in old["geometries"].items():   # tables of the same geometry (verify, observe) merge
+            tables.setdefault((int(geometry[0]), int(geometry[1])), {}).update(old.get(name, {}))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--reuse {path}: not a bench_pypto --json file ({exc})") from None
     return {geometry: {stage: row for stage, row in rows.items() if row.get("cycles") and stage not in rerun}
@@ -860,7 +923,8 @@ def main() -> None:
     if args.round:
         figures["round"] = draft_round(args.tp, earlier=earlier)
         figures["geometries"] = round_geometries()
-        figures["draft"], figures["verify"] = figures["round"].pop("draft"), figures["round"].pop("verify")
+        for part in ("draft", "verify", "observe"):
+            figures[part] = figures["round"].pop(part)
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1))
         return

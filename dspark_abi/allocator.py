@@ -34,7 +34,7 @@ from dspark_abi.layout import (
     page_span,
     table_column,
 )
-from dspark_abi.persistent import PersistentTables, narrow_tables, step_widths
+from dspark_abi.persistent import PersistentTables, PooledCells, narrow_tables, step_widths
 from dspark_abi.pools import PoolBlocks
 
 Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -52,6 +52,9 @@ class StepPlan:
         release_cells: Pool -> (rows, logical pages, blocks) the step releases (ring pages out of reach).
         ends: [R] cached tokens of each request after the step.
         mapped: Pool -> ([R] first, [R] one past the last) logical page each request holds after the step.
+        runs: [2, 7, R] int64 those runs, pools in ABI order (``mapped``'s arrays are its views).
+        map_pooled, release_pooled: The same cells as ``map_cells`` / ``release_cells``, the seven pools in four
+            flat arrays (pool index, rows, pages, blocks), pool-major: what the commit writes in one call each.
         owner: Token of the allocator that made the plan.
         generation: The allocator's generation the plan was made on.
     """
@@ -63,6 +66,9 @@ class StepPlan:
     release_cells: dict[PoolName, Cells]
     ends: np.ndarray
     mapped: dict[PoolName, tuple[np.ndarray, np.ndarray]]
+    runs: np.ndarray
+    map_pooled: PooledCells
+    release_pooled: PooledCells
     owner: object = None
     generation: int = -1
 
@@ -286,14 +292,8 @@ class BlockAllocator:
         count *= (ends > starts) & ~fresh & cols.ring & (count > 0)
         r_owner, r_page = expand_ranges(held_first.reshape(-1), count.reshape(-1))
         r_pool, r_req = np.divmod(r_owner, n_req) if n_req else (r_owner, r_owner)
-        r_block = np.full(r_owner.size, -1, np.int64)
-        r_bounds = np.searchsorted(r_pool, np.arange(8)).tolist()
-        for i, p in enumerate(POOL_NAMES):
-            lo_i, hi_i = r_bounds[i], r_bounds[i + 1]
-            if hi_i > lo_i:
-                table = self._tables[p]
-                r_block[lo_i:hi_i] = table[rows[r_req[lo_i:hi_i]], table_column(self.layout.pools[p],
-                                                                               r_page[lo_i:hi_i], table.shape[1])]
+        persistent = self._persistent          # the seven tables' cells in one gather from its flat store
+        r_block = persistent._flat[persistent._cell(r_pool, rows[r_req], r_page)].astype(np.int64)
         kept = r_block >= 0
         r_pool, r_rows, r_page, r_block = r_pool[kept], rows[r_req[kept]], r_page[kept], r_block[kept]
 
@@ -308,12 +308,15 @@ class BlockAllocator:
             m_owner, m_page = np.concatenate([owner_lo, m_owner])[order], np.concatenate([page_lo, m_page])[order]
         m_pool, m_req = np.divmod(m_owner, n_req) if n_req else (m_owner, m_owner)
         m_rows = rows[m_req]
+        m_block = np.empty(m_pool.size, np.int32)
 
         # runs after the step: a ring run's front is released as the request advances (or starts there when new)
         has = hi > lo
-        after_first = np.where(cols.ring & has & (fresh | (end <= first)), a,
-                               np.where(cols.ring & has & (ends > starts), np.maximum(first, a), first))
-        after_end = np.where(has, np.maximum(end, b), end)
+        runs = np.empty((2, 7, n_req), np.int64)         # [2, 7, R] after the step; mapped[p] are its views
+        np.copyto(runs[1], np.where(has, np.maximum(end, b), end))
+        after_first, after_end = runs
+        after_first[...] = np.where(cols.ring & has & (fresh | (end <= first)), a,
+                                    np.where(cols.ring & has & (ends > starts), np.maximum(first, a), first))
 
         r_count = np.bincount(r_pool, minlength=7).tolist()
         m_bounds = np.searchsorted(m_pool, np.arange(8)).tolist()
@@ -338,13 +341,15 @@ class BlockAllocator:
             # blocks are assigned in plan order: released blocks are reused first, then the free stack
             recycled, top = r_block[released].astype(np.int32), self._top[p]
             reused = recycled[:need]
-            popped = self._free[p][top - (need - reused.size): top][::-1]
             cells = slice(m_bounds[i], m_bounds[i + 1])
-            map_cells[p] = (m_rows[cells], m_page[cells], np.concatenate([reused, popped]))
+            m_block[m_bounds[i]: m_bounds[i] + reused.size] = reused
+            m_block[m_bounds[i] + reused.size: m_bounds[i + 1]] = self._free[p][top - (need - reused.size): top][::-1]
+            map_cells[p] = (m_rows[cells], m_page[cells], m_block[cells])
             mapped[p] = (after_first[i], after_end[i])
         if short:
             raise ABIError(short)
-        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped,
+        return StepPlan(tuple(request_ids), new_ids, rows, map_cells, release_cells, ends, mapped, runs=runs,
+                        map_pooled=(m_pool, m_rows, m_page, m_block), release_pooled=(r_pool, r_rows, r_page, r_block),
                         owner=self._token, generation=self._generation)
 
     # ------------------------------------------------------------------ mutation
@@ -373,20 +378,16 @@ class BlockAllocator:
     def _commit(self, plan: StepPlan) -> None:
         for r in plan.new_ids:
             self._row_of[r] = self._spare_rows.pop()
-        for p in POOL_NAMES:
-            pl = self.layout.pools[p]
-            width = pl.ring_width
-            r_rows, r_pages, r_blocks = plan.release_cells[p]
-            self._tables[p][r_rows, table_column(pl, r_pages, width)] = -1
-            m_rows, m_pages, m_blocks = plan.map_cells[p]
+        for p in POOL_NAMES:                              # the free stacks: each pool has its own
+            r_blocks, m_count = plan.release_cells[p][2], plan.map_cells[p][2].size
             top = self._top[p]                            # push the released blocks, then pop the mapped ones
             self._free[p][top: top + r_blocks.size] = r_blocks[::-1]
-            self._top[p] = top + r_blocks.size - m_blocks.size
-            self._tables[p][m_rows, table_column(pl, m_pages, width)] = m_blocks
-            self._first[p][plan.rows], self._end[p][plan.rows] = plan.mapped[p]
+            self._top[p] = top + r_blocks.size - m_count
+        # tables and block owners of all seven pools: one write each in the persistent tables' flat stores
+        self._persistent._write(plan.release_pooled, plan.map_pooled)
+        self._persistent._runs[:, :, plan.rows] = plan.runs
         self._cached_rows[plan.rows] = plan.ends
-        self._persistent._record(plan.rows, np.array(plan.request_ids, np.int64), plan.map_cells,
-                                 plan.release_cells)
+        self._persistent._record(plan.rows, np.array(plan.request_ids, np.int64))
 
     def release(self, request_id: int) -> None:
         """Return every block of ``request_id`` to the free lists and forget it."""

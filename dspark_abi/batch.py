@@ -269,12 +269,7 @@ class PackedBatch(StepArrays):
     Build with :class:`dspark_abi.BatchBuilder` (serving code) or directly from arrays; any violation
     raises :class:`ABIError` listing every issue. Read-only; change with ``attrs.evolve`` (re-validates).
 
-    Attributes:
-        config: The model configuration (table widths, limits).
-        policy: The TP padding policy (P, L and the padding sentinels).
-        pool_blocks: Physical blocks of each pool (a mapping is converted with :meth:`PoolBlocks.from_mapping`).
-        query_start_loc: [R+1] int32: [0, q0, q0+q1, ..., N], non-decreasing.
-        positions: [P] int32: absolute in-request position; padding rows per policy.
+    Attributes (after :class:`StepArrays`'s config, policy, pool_blocks, query_start_loc and positions):
         tables: The seven [R, width] int32 block tables.
         slots: The seven [P] int64 slot mappings.
         request_ids: [R] int64: serving request ids, unique; default 0..R-1.

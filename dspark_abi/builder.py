@@ -631,7 +631,7 @@ class BatchBuilder:
             positions=positions, slots=SlotMappings(**slots), table_slots=table_slots,
             slot_generations=persistent.generations[plan.rows],
             table_widths=np.array([widths[p] for p in POOL_NAMES], np.int32),
-            mapped=DeltaCells.from_cells(plan.map_cells), released=DeltaCells.from_cells(plan.release_cells),
+            mapped=DeltaCells.from_pooled(plan.map_pooled), released=DeltaCells.from_pooled(plan.release_pooled),
             request_ids=step.ids, token_ids=token_ids, logit_rows=rows,
             verify_widths=requests.verify_width if step.declares_intent else None,
             logit_mode=requests.logit_mode if step.declares_intent else None, requests=requests)

@@ -61,9 +61,12 @@ from dspark_abi.validation import validate_arrays
 
 #: (slots or rows, logical pages, blocks), three flat int arrays of one length.
 Cells = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: (pool index in ABI order, slot, logical page, block): the cells of all seven pools, pool-major, in four arrays
+PooledCells = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 #: Keys of (slot, page) cells: slot * _KEY + page (pages and slots are below 2**31).
 _KEY = np.int64(2**31)
 _EMPTY = np.zeros(0, np.int64)
+_NO_RUNS = np.zeros((2, 7, 0), np.int64)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -145,6 +148,10 @@ class PersistentTables:
     - ``generations``: [S] int64, advanced whenever the slot is released (or recycled).
     - ``holders``: [S] int64 request id of the slot's request; ``in_use`` [S] bool (False: a free slot).
 
+    Storage: the seven tables are views of one flat int32 store, the seven block-owner arrays of another and the
+    runs of one [2, 7, S] array, so that a step reads or writes the cells of every pool in one numpy call (a cell
+    (pool, slot, page) is one index into the store).
+
     Readers get read-only views; only :meth:`apply` (a step's delta), :meth:`release` and the owning
     :class:`~dspark_abi.allocator.BlockAllocator` write, in place. A :class:`BlockAllocator` owns one
     (:attr:`BlockAllocator.persistent`); :meth:`from_arrays` loads (and proves) one, e.g. a device mirror."""
@@ -153,15 +160,29 @@ class PersistentTables:
         self.config = config
         self.layout = config.layout
         self.pool_blocks = PoolBlocks.from_mapping(pool_blocks)
-        self._tables = {p: np.full((capacity, self.layout.pools[p].ring_width), -1, np.int32) for p in POOL_NAMES}
+        widths = [self.layout.pools[p].ring_width for p in POOL_NAMES]
+        blocks = [self.pool_blocks[p] for p in POOL_NAMES]
+        #: [7] int64 columns of each pool's table, and where each pool's [S, w_p] table starts in ``_flat`` per slot
+        #: of S (pool i's table is ``_flat[S * _width_at[i]:][:S * w_i]``)
+        self._widths = np.array(widths, np.int64)
+        self._width_at = np.cumsum([0, *widths[:-1]], dtype=np.int64)
+        #: [S * sum(w_p)] int32 the seven tables in one flat store, pool-major, each row-major (-1 = unmapped), so that
+        #: a step reads or writes the cells of all pools in one call (:meth:`_cell`); ``_tables[p]`` are its views
+        self._flat = np.full(capacity * int(self._widths.sum()), -1, np.int32)
+        #: [sum(B_p)] int32 slot holding each block of each pool, pool-major (-1 = free: the proof that no block is
+        #: held twice); ``_owner_at[i]`` where pool i's blocks start, ``_owner[p]`` the views
+        self._owners = np.full(sum(blocks), -1, np.int32)
+        self._n_blocks = np.array(blocks, np.int64)
+        self._owner_at = np.cumsum([0, *blocks[:-1]], dtype=np.int64)
         #: [2, 7, S] int64 the runs (first, end) of every pool and slot: one array, so that a step gathers its slots'
         #: runs of all pools in one call; ``_first[p]`` / ``_end[p]`` are views of its rows (written in place)
         self._runs = np.zeros((2, 7, capacity), np.int64)
+        self._tables: dict[PoolName, np.ndarray] = {}
+        self._owner: dict[PoolName, np.ndarray] = {}
         self._first: dict[PoolName, np.ndarray] = {}
         self._end: dict[PoolName, np.ndarray] = {}
-        self._bind_runs()
-        #: pool -> [blocks] int32 slot holding each block, -1 = free (the proof that no block is held twice)
-        self._owner = {p: np.full(self.pool_blocks[p], -1, np.int32) for p in POOL_NAMES}
+        self._table_at = np.zeros(7, np.int64)
+        self._bind()
         self._generations = np.zeros(capacity, np.int64)
         self._holders = np.full(capacity, -1, np.int64)
         self._in_use = np.zeros(capacity, dtype=bool)
@@ -170,21 +191,48 @@ class PersistentTables:
         #: advanced by apply and the owning allocator's commit, cleared by every other write
         self._holding: PersistentStep | None = None
 
-    def _bind_runs(self) -> None:
-        """Point ``_first`` / ``_end`` (the same dictionaries: the owning allocator aliases them) at ``_runs``."""
+    #: the per-pool views of the flat stores, rebound by :meth:`_bind` (never pickled: views would pickle as copies)
+    _VIEWS = ("_tables", "_owner", "_first", "_end")
+
+    def _bind(self) -> None:
+        """Point the per-pool views ``_tables``, ``_owner``, ``_first``, ``_end`` at the flat stores (the same
+        dictionaries, updated in place: the owning allocator aliases them)."""
+        slots = self._runs.shape[2]
+        self._table_at = slots * self._width_at
+        stop = [*self._owner_at.tolist()[1:], self._owners.size]
         for i, p in enumerate(POOL_NAMES):
+            at, width = int(self._table_at[i]), int(self._widths[i])
+            self._tables[p] = self._flat[at: at + slots * width].reshape(slots, width)
+            self._owner[p] = self._owners[int(self._owner_at[i]): stop[i]]
             self._first[p], self._end[p] = self._runs[0, i], self._runs[1, i]
 
+    def _cell(self, pool: np.ndarray, slot: np.ndarray, page: np.ndarray) -> np.ndarray:
+        """Index in ``_flat`` of each cell (pool index, slot, logical page): the page's column in its pool's table
+        (``page mod w_p``: a compressed page lies below its width). One call for the cells of every pool."""
+        width = self._widths[pool]
+        at: np.ndarray = self._table_at[pool] + slot * width + page % width
+        return at
+
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled and deep-copied without the run views (rebound to the copied ``_runs`` by ``__setstate__``)."""
+        """Pickled and deep-copied without the per-pool views (rebound to the copied stores by ``__setstate__``)."""
         # ``_holding`` goes along: a step pickled in the same payload (a one-shot launch) stays the one held, while
         # a copy of the tables alone holds a copy of the step, which is no caller's step
-        return {k: v for k, v in self.__dict__.items() if k not in ("_first", "_end")}
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEWS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._first, self._end = {}, {}
-        self._bind_runs()
+        for name in self._VIEWS:
+            setattr(self, name, {})
+        self._bind()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PersistentTables:
+        """A deep copy of the state that shares the immutable config, layout and pool sizes (a copy of the config
+        would be equal but not identical, and every step's config check would then compare it field by field)."""
+        for shared in (self.config, self.layout, self.pool_blocks):
+            memo.setdefault(id(shared), shared)
+        out = self.__class__.__new__(self.__class__)
+        out.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return out
 
     # ------------------------------------------------------------------ reading
     @property
@@ -290,11 +338,10 @@ class PersistentTables:
                                     "[S, ring_width])", expected=list(want_shape), actual=list(a.shape)))
         if issues:
             raise ABIError(issues)
-        out = cls(config, pool_blocks, capacity=0)
+        out = cls(config, pool_blocks, capacity=n[0])
         for p in POOL_NAMES:
-            out._tables[p] = got[f"{p}_table"]
-        out._runs = np.array([[got[f"{p}_{k}"] for p in POOL_NAMES] for k in ("first", "end")], np.int64)
-        out._bind_runs()
+            out._tables[p][...] = got[f"{p}_table"]
+        out._runs[...] = [[got[f"{p}_{k}"] for p in POOL_NAMES] for k in ("first", "end")]
         out._generations, out._holders, out._in_use = (got["slot_generations"], got["slot_request_ids"],
                                                        got["slot_in_use"])
         out._slot_of = dict(zip(out._holders[out._in_use].tolist(), np.flatnonzero(out._in_use).tolist(),
@@ -351,16 +398,8 @@ class PersistentTables:
         report, runs = _check(step, self)
         report.raise_if_invalid()
         slots = step.table_slots.astype(np.int64)
-        for p in POOL_NAMES:
-            pl, table = self.layout.pools[p], self._tables[p]
-            width = table.shape[1]
-            r_slot, r_page, r_block = (c.astype(np.int64) for c in step.released[p].T)
-            table[r_slot, table_column(pl, r_page, width)] = -1
-            self._owner[p][r_block] = -1
-            m_slot, m_page, m_block = (c.astype(np.int64) for c in step.mapped[p].T)
-            table[m_slot, table_column(pl, m_page, width)] = m_block
-            self._owner[p][m_block] = m_slot
-            self._first[p][slots], self._end[p][slots] = runs[p]
+        self._write(step.released.pooled(), step.mapped.pooled())
+        self._runs[:, :, slots] = runs
         self._claim(slots, step.requests.ids)
         self._holding = step
 
@@ -386,14 +425,20 @@ class PersistentTables:
             self._in_use[slots[fresh]] = True
             self._holders[slots[fresh]] = ids[fresh]
 
-    def _record(self, slots: np.ndarray, ids: np.ndarray, mapped: Mapping[PoolName, Cells],
-                released: Mapping[PoolName, Cells]) -> None:
-        """The owning allocator wrote tables and runs: bring the block owners and the holders along (O(changes)).
-        The tables then hold no step until the builder names the one committed (:meth:`_hold`)."""
+    def _write(self, released: PooledCells, mapped: PooledCells) -> None:
+        """Clear the ``released`` cells and free their blocks, then write the ``mapped`` cells and own their blocks
+        (each (pool index, slot, page, block), the pools' cells together): one call per store for all pools."""
+        r_pool, r_slot, r_page, r_block = released
+        self._flat[self._cell(r_pool, r_slot, r_page)] = -1
+        self._owners[self._owner_at[r_pool] + r_block] = -1
+        m_pool, m_slot, m_page, m_block = mapped
+        self._flat[self._cell(m_pool, m_slot, m_page)] = m_block
+        self._owners[self._owner_at[m_pool] + m_block] = m_slot
+
+    def _record(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """The owning allocator wrote tables, owners and runs (:meth:`_write`): bring the holders along
+        (O(changes)). The tables then hold no step until the builder names the one committed (:meth:`_hold`)."""
         self._holding = None
-        for p in POOL_NAMES:
-            self._owner[p][released[p][2]] = -1
-            self._owner[p][mapped[p][2]] = mapped[p][0]
         self._claim(slots, ids)
 
     def _hold(self, step: PersistentStep) -> None:
@@ -405,14 +450,14 @@ class PersistentTables:
         old = self.slots
         if capacity <= old:
             return
-        for p in POOL_NAMES:
-            grown = np.full((capacity, self._tables[p].shape[1]), -1, np.int32)
-            grown[:old] = self._tables[p]
-            self._tables[p] = grown
+        tables = {p: t for p, t in self._tables.items()}
+        self._flat = np.full(capacity * int(self._widths.sum()), -1, np.int32)
         runs = np.zeros((2, 7, capacity), np.int64)
         runs[:, :, :old] = self._runs
         self._runs = runs
-        self._bind_runs()
+        self._bind()
+        for p in POOL_NAMES:
+            self._tables[p][:old] = tables[p]
         for name, fill in (("_generations", 0), ("_holders", -1), ("_in_use", False)):
             before = getattr(self, name)
             after = np.full(capacity, fill, before.dtype)
@@ -434,6 +479,8 @@ class DeltaCells(_PerPool):
     hca_state: np.ndarray = _afield("hca_state")
     # (cells per pool, the [M, 3] array whose consecutive slices the fields are) when made by from_cells
     _joined: tuple[list[int], np.ndarray] | None = attrs.field(init=False, default=None, eq=False, repr=False)
+    # pooled()'s arrays, made on first use
+    _pooled: PooledCells | None = attrs.field(init=False, default=None, eq=False, repr=False)
 
     @classmethod
     def from_cells(cls, cells: Mapping[PoolName, Cells]) -> DeltaCells:
@@ -449,9 +496,36 @@ class DeltaCells(_PerPool):
         object.__setattr__(out, "_joined", (sizes, frozen))      # the fields are its slices: nothing to join again
         return out
 
-    def pooled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    @classmethod
+    def from_pooled(cls, cells: PooledCells) -> DeltaCells:
+        """From the seven pools' cells as (pool index, slot, page, block), pool-major (the allocator's plan): one
+        [M, 3] int32 array written and frozen once, each pool's field its slice; :meth:`pooled` gives read-only
+        copies of the four columns (kept, not derived again)."""
+        pool, slot, page, block = cells
+        joined = np.empty((pool.size, 3), np.int32)
+        for k, column in enumerate((slot, page, block)):
+            joined[:, k] = column
+        frozen = freeze(joined)
+        bounds = np.searchsorted(pool, np.arange(8)).tolist()
+        out = cls(**{p: frozen[bounds[i]:bounds[i + 1]] for i, p in enumerate(POOL_NAMES)})
+        sizes = [bounds[i + 1] - bounds[i] for i in range(7)]
+        wide = frozen.astype(np.int64)                 # the columns as the fields hold them, one copy, read-only
+        wide.flags.writeable = False
+        object.__setattr__(out, "_joined", (sizes, frozen))
+        object.__setattr__(out, "_pooled", (_readonly(pool.astype(np.int64)), wide[:, 0], wide[:, 1], wide[:, 2]))
+        return out
+
+    def pooled(self) -> PooledCells:
         """(pool index, slot, page, block) int64 of the seven pools' cells, pools in ABI order (one array with a
-        pool column, the form the checks read)."""
+        pool column, the form the checks read); made once per object (its arrays are read-only)."""
+        pooled = self._pooled
+        if pooled is None:
+            pool, slot, page, block = self._pool_columns()
+            pooled = (_readonly(pool), _readonly(slot), _readonly(page), _readonly(block))
+            object.__setattr__(self, "_pooled", pooled)
+        return pooled
+
+    def _pool_columns(self) -> PooledCells:
         if self._joined is not None:
             sizes, joined = self._joined
         else:
@@ -674,16 +748,17 @@ def _current(step: PersistentStep, tables: PersistentTables) -> ValidationReport
     return ValidationReport(tuple(issues))
 
 
-Runs = dict[PoolName, tuple[np.ndarray, np.ndarray]]
+#: [2, 7, R] int64 (first, end) of the run each request's slot holds in each pool once the step is applied
+Runs = np.ndarray
 
 
 def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[Issue], Runs]:
-    """The delta's issues (``delta.mapped``, ``delta.released``) and per pool the [R] runs ``[first, end)`` each
+    """The delta's issues (``delta.mapped``, ``delta.released``) and the [2, 7, R] runs ``[first, end)`` each
     request's slot holds once the step is applied. O(cells changed + R); slots known current (:func:`_current`).
 
     The seven pools' cells are checked together (one array with a pool column, the per-pool constants gathered by
-    it): the rules are the same for every pool, and numpy's per-call overhead, not the cells, is the cost of a
-    decode-rate step. Only the table and owner reads go pool by pool (each pool has its own arrays)."""
+    it; the table and owner reads one gather each from the tables' flat stores): the rules are the same for every
+    pool, and numpy's per-call overhead, not the cells, is the cost of a decode-rate step."""
     issues: list[Issue] = []
     slots = step.table_slots.astype(np.int64)
     n_req = slots.size
@@ -692,18 +767,17 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     layout = tables.layout
     now = tables._runs[:, :, slots]                                                 # [2, 7, R]: one gather
     first, end = now[0].reshape(-1), now[1].reshape(-1)                              # [7 * R], pool-major
-    width = np.array([tables._tables[p].shape[1] for p in POOL_NAMES], np.int64)
-    ring = np.array([layout.pools[p].is_ring for p in POOL_NAMES])
-    n_blocks = np.array([tables.pool_blocks[p] for p in POOL_NAMES], np.int64)
+    width = tables._widths
+    ring = layout.columns.ring[:, 0]
+    n_blocks = tables._n_blocks
 
     r_pool, r_slot, r_page, r_block = step.released.pooled()
     r_req, r_in = _in_step(index, r_slot)
     r_run = r_pool * n_req + r_req                                     # index into the [7 * R] runs
     held = r_in & (r_page >= first[r_run]) & (r_page < end[r_run])
     cell = np.full(r_slot.size, -2, np.int64)
-    for p, at in _segments(r_pool, held):
-        table = tables._tables[p]
-        cell[at] = table[r_slot[at], table_column(layout.pools[p], r_page[at], table.shape[1])]
+    if held.any():
+        cell[held] = tables._flat[tables._cell(r_pool[held], r_slot[held], r_page[held])]
     _flag_pools(issues, "delta.released", RELEASED_SPECS, r_pool, ~held | (cell != r_block), "a released cell must "
                 "be a page of the step's slot's run holding the block it names", expected=cell, actual=r_block)
     r_keys = _ordered(r_run * _KEY + r_page)[0]
@@ -729,8 +803,8 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
                 "a compressed table's width", actual=m_page)
     in_range = (m_block >= 0) & (m_block < n_blocks[m_pool])
     owner = np.full(m_block.size, -1, np.int64)
-    for p, at in _segments(m_pool, in_range):
-        owner[at] = tables._owner[p][m_block[at]]
+    if in_range.any():
+        owner[in_range] = tables._owners[tables._owner_at[m_pool[in_range]] + m_block[in_range]]
     taken = owner >= 0
     if taken.any() and freed.size:       # a block the same delta releases may be mapped again (only held ones
         at = np.flatnonzero(taken)       # are looked for among the freed)
@@ -757,18 +831,10 @@ def _delta_issues(step: PersistentStep, tables: PersistentTables) -> tuple[list[
     broken = grew & ((new_end - new_first != total) | (ring[runs_of] & (total > width[runs_of])))
     _flag_pools(issues, "delta.mapped", MAPPED_SPECS, runs_of, broken, "the slot's pages must form one run after the "
                 "step (at most the ring width)", expected=total, actual=new_end - new_first, per_request=n_req)
-    run_first = np.where(grew, new_first, after_first).reshape(7, n_req)
-    run_end = np.where(grew, new_end, end).reshape(7, n_req)
-    return issues, {p: (run_first[i], run_end[i]) for i, p in enumerate(POOL_NAMES)}
-
-
-def _segments(pool: np.ndarray, mask: np.ndarray) -> list[tuple[PoolName, np.ndarray]]:
-    """Per pool with cells under ``mask``: (pool, their indices) (pool-major cells: one slice each)."""
-    if not mask.any():
-        return []
-    at = np.flatnonzero(mask)
-    bounds = np.searchsorted(pool[at], np.arange(8))
-    return [(p, at[bounds[i]:bounds[i + 1]]) for i, p in enumerate(POOL_NAMES) if bounds[i + 1] > bounds[i]]
+    runs = np.empty((2, 7, n_req), np.int64)
+    np.copyto(runs[0].reshape(-1), np.where(grew, new_first, after_first))
+    np.copyto(runs[1].reshape(-1), np.where(grew, new_end, end))
+    return issues, runs
 
 
 def _flag_pools(issues: list[Issue], code: str, specs: Mapping[PoolName, FieldSpec], pool: np.ndarray,
@@ -910,16 +976,17 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
 
     derived: the step was just assembled by ``BatchBuilder.build_step`` under the allocator's lock, its arrays in
     their declared dtypes and its slot mappings read from these very tables and delta by :func:`written_slots` (the
-    one home of that lookup): the shapes and the per-row slot lookups are not repeated (the full form's builder
+    one home of that lookup), its ``query_start_loc`` and row owners written from one request record: the shapes, the
+    per-row slot lookups and the rows' owners are not derived again (the full form's builder
     skips re-validating the arrays it validated the same way). The slots, generations, delta, token rules and
     coverage are checked either way."""
     if not derived:
         shape = _shape_report(step.to_arrays(), step.config, step.policy, step.pool_blocks)
         if not shape.ok:
-            return shape, {}
+            return shape, _NO_RUNS
     report = _current(step, tables)
     if not report.ok:
-        return report, {}
+        return report, _NO_RUNS
     issues, runs = _delta_issues(step, tables)
     qsl, n = step.query_start_loc, step.num_tokens
     widths = step.widths
@@ -927,7 +994,7 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
         issues, config=step.config, policy=step.policy, qsl=qsl, n_tokens=n, n_rows=step.positions.size,
         positions=step.positions, slots={p: s for p, s in step.slots.items()}, token_ids=step.token_ids,
         logit_rows=step.logit_rows, hidden=None, verify_widths=step.verify_widths, logit_mode=step.logit_mode,
-        ring_widths=widths)
+        ring_widths=widths, row_request=step.row_request[:n] if derived else None)
     if issues:      # a malformed delta or token rule: the rows' cells are not worth looking up
         return ValidationReport(tuple(issues)), runs
     window = step.config.sliding_window
@@ -942,8 +1009,7 @@ def _check(step: PersistentStep, tables: PersistentTables, *, derived: bool = Fa
     lo_all, hi_all = cols.page_spans(start, end, window)
     need_all = np.where(nonempty, hi_all - lo_all * cols.ring, 0)
     too_narrow = need_all > step.table_widths.astype(np.int64).reshape(7, 1)
-    first_all = np.stack([runs[p][0] for p in POOL_NAMES])
-    end_all = np.stack([runs[p][1] for p in POOL_NAMES])
+    first_all, end_all = runs
     uncovered_all = nonempty & ((lo_all < first_all) | (hi_all > end_all))
     narrow_any: list[bool] = np.logical_or.reduce(too_narrow, axis=1).tolist()      # per pool
     uncovered_any: list[bool] = np.logical_or.reduce(uncovered_all, axis=1).tolist()

@@ -233,10 +233,13 @@ def implied_logit_rows(row_start: np.ndarray, row_end: np.ndarray, logit_mode: n
     start, end = np.asarray(row_start, np.int64), np.asarray(row_end, np.int64)
     mode = np.asarray(logit_mode)
     counts = _entry_counts(start, end, mode)
-    owner, offset = expand_ranges(np.zeros(counts.size, np.int64), counts)
-    m, lo, hi = mode[owner], start[owner], end[owner]
-    rows = np.where(m == 2, lo + offset, np.where(m == 1, hi - 1, -1))
-    return np.where(hi > lo, rows, -1).astype(np.int32)
+    # entry k of request r is first[r] + k with k = 0 unless its intent is 2 (every row: start + k), so the whole
+    # list is one ramp arange(G) shifted per request by (its first entry's value - its offset in the list): the
+    # per-request values are worked out on [R] arrays and only the ramp and one repeat are [G]
+    first = np.where(end > start, np.where(mode == 2, start, np.where(mode == 1, end - 1, -1)), -1)
+    shift = first - (np.cumsum(counts) - counts)
+    rows: np.ndarray = (np.repeat(shift, counts) + np.arange(int(counts.sum()))).astype(np.int32)
+    return rows
 
 
 def owner_of_rows(row_start: np.ndarray, row_end: np.ndarray, lo: int, count: int) -> np.ndarray:

@@ -78,17 +78,23 @@ def check_tokens(issues: list[Issue], *, config: ModelConfig, policy: PaddingPol
                  n_rows: int, positions: np.ndarray, slots: Mapping[PoolName, np.ndarray],
                  token_ids: np.ndarray | None, logit_rows: np.ndarray | None, hidden: np.ndarray | None,
                  verify_widths: np.ndarray | None = None, logit_mode: np.ndarray | None = None,
-                 ring_widths: Mapping[PoolName, int] | None = None
+                 ring_widths: Mapping[PoolName, int] | None = None, row_request: np.ndarray | None = None
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The O(R + P) token rules of :func:`check_deep` (positions, padding rows, token ids, logit rows), shared with
     :class:`dspark_abi.incremental.StepValidator`. Returns what the pool rules need: ``row_request`` [N],
     ``pos`` [N] int64, ``start`` / ``end`` [R], ``live`` [N] (tokens of requests fit for the slot rules) and
-    ``ok_req`` [R] (non-empty requests whose positions satisfy R14-R16)."""
+    ``ok_req`` [R] (non-empty requests whose positions satisfy R14-R16).
+
+    ``row_request``: [N] the request owning each row, when the caller already holds it derived from this very
+    ``qsl`` (only a builder's own step, ``check_step(derived=True)``: one request record wrote both its ``qsl`` and
+    its ``StepArrays.row_request``); None derives it here. Every rule still compares the step's own arrays."""
+
     n, max_pos = n_tokens, config.max_position_embeddings
     starts_row = qsl[:-1].astype(np.int64)
     lengths: np.ndarray = np.diff(qsl.astype(np.int64))
     n_req = lengths.size
-    row_request = owner_of_rows(starts_row, qsl[1:], 0, n).astype(np.int64)        # [N]
+    if row_request is None:
+        row_request = owner_of_rows(starts_row, qsl[1:], 0, n).astype(np.int64)    # [N]
     pos = positions[:n].astype(np.int64)                                           # [N]
     nonempty = lengths > 0
     start = np.zeros(n_req, dtype=np.int64)
@@ -152,12 +158,13 @@ def check_verify(issues: list[Issue], *, config: ModelConfig, qsl: np.ndarray, s
               f"a verify request's rows must stay below max_position_embeddings={max_pos}", request_of=request,
               expected=f"<= {max_pos}", actual=start + width)
         widest = int(np.where(verify & (width == lengths), width, 0).max(initial=0))
+        pools = config.layout.pools             # looked up once: the layout is a cached derivation, not free
         for pool, columns in ring_widths.items():
-            need = verify_headroom(config.layout.pools[pool], widest)
+            need = verify_headroom(pools[pool], widest)
             if columns < need:
                 issues.append(Issue(
                     "verify.ring_headroom", TABLE_FIELDS[pool], f"ring table has {columns} columns, fewer than the "
-                    f"headroom of a {widest}-row verify request (reach {config.layout.pools[pool].reach} + {widest} "
+                    f"headroom of a {widest}-row verify request (reach {pools[pool].reach} + {widest} "
                     "positions): a rejected draft's row could alias a row the next step reads",
                     expected=f">= {need}", actual=columns,
                     fix=f"give {TABLE_FIELDS[pool]} at least {need} columns"))

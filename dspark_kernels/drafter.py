@@ -25,11 +25,14 @@ The choice is greedy (the first maximum): DeepSeek's ``forward_head`` samples ea
 Backends: the stages shared with the target run on the drafter's :class:`~dspark_kernels.model.backends.Backend`
 (``backend="pypto"``: the pypto kernels, in their ``a2a3`` numerics): hc_pre with the fused attn_norm / ffn_norm,
 hc_post, the MoE (gate, routed and shared experts), the head's hc_head and hc_head + RMSNorm, and the LM head's
-logits; and the draft attention, registered per backend in :data:`DRAFT_ATTENTION` (on pypto
-:mod:`dspark_kernels.pypto.draft_attention`: its key set, ring slots plus block rows, non-causal, is the
-sparse-attention kernel's window + entry-row form). These run on the host in numpy on every backend
-(reference-only: no pypto kernel computes them yet): ``main_x`` (main_proj + RMSNorm) and the window keys of
-``observe``, the Markov head's left-to-right biased argmax and the confidence head.
+logits. The drafter's own stages are registered per backend in :data:`DRAFTER_STAGES`: ``main_x``
+(:mod:`dspark_kernels.reference.observe`; on pypto :mod:`dspark_kernels.pypto.observe`, the shared kv kernel
+without RoPE), the window keys of ``observe`` (the target's shared kv kernel on pypto), the draft attention (on
+pypto :mod:`dspark_kernels.pypto.draft_attention`: its key set, ring slots plus block rows, non-causal, is the
+sparse-attention kernel's window + entry-row form) and the Markov and confidence heads
+(:mod:`dspark_kernels.reference.markov`; on pypto :mod:`dspark_kernels.pypto.markov`, the B rows left to right
+inside one kernel). On every backend the FP8 step of the drafter's keys runs on the host in numpy (the target's
+a2a3 kernels have none to reuse).
 
 All requests' blocks run packed, in one call. Under TP (``tp`` > 1) the R*B block rows are split into contiguous
 rank shares for the query side of attention and for the MoE, whose outputs are all-gathered rank-major, and the
@@ -51,30 +54,46 @@ import numpy as np
 
 from dspark_abi import ABIError, Issue, ModelConfig
 from dspark_abi.persistent import PersistentTables
-from dspark_kernels.model import deepseek_numerics as ds
 from dspark_kernels.model.backends import REGISTRY, Backend, default_backend, resolve_backend
 from dspark_kernels.model.block_weights import HeadWeights
 from dspark_kernels.model.drafter_cache import DrafterWindow
 from dspark_kernels.model.drafter_weights import DrafterWeights, drafter_issues, stage_config
 from dspark_kernels.model.forward import TargetReduction
 from dspark_kernels.model.geometry import vocab_shard, vocab_shard_width
-from dspark_kernels.model.numerics import Precision, bf16_round, check_precision, linear, narrow, rms_norm
+from dspark_kernels.model.numerics import Precision, check_precision
 from dspark_kernels.model.prepared import PreparedWeightsCache
 from dspark_kernels.model.rope import rope_at
 from dspark_kernels.model.tp import ThreadGroup, torch_all_gather
 from dspark_kernels.model.weights import ModelWeights
-from dspark_kernels.reference.draft_attention import context_keys
 
 #: ``all_gather(local [L, ...]) -> [TP * L, ...]`` (rank-major), as the target's layers use.
 AllGather = Callable[[np.ndarray], np.ndarray]
 TpMode = Literal["single", "threads", "distributed"]
 TP_MODES: tuple[TpMode, ...] = ("single", "threads", "distributed")
-#: The draft attention of each backend of the registry (module, function with the signature of
-#: :func:`dspark_kernels.reference.draft_attention.block_attention`), imported when a drafter is built: a stage
-#: only the drafter has, so it is registered beside the backend registry rather than in the Backend protocol.
-DRAFT_ATTENTION: dict[str, tuple[str, str]] = {
-    "reference": ("dspark_kernels.reference.draft_attention", "block_attention"),
-    "pypto": ("dspark_kernels.pypto.draft_attention", "block_attention_isolated")}
+#: The drafter's own stages of each backend of the registry, {backend: {stage: (module, function)}}, imported
+#: when a drafter is built: stages only the drafter has, so they are registered beside the backend registry rather
+#: than in the Backend protocol. Each function has the signature of its reference: ``main_x``
+#: (:func:`dspark_kernels.reference.observe.main_x`), ``context_keys`` (the window keys of observed rows,
+#: :func:`dspark_kernels.reference.draft_attention.context_keys`), ``attention``
+#: (:func:`dspark_kernels.reference.draft_attention.block_attention`), ``markov`` (the Markov and confidence heads,
+#: :func:`dspark_kernels.reference.markov.markov_heads`).
+DRAFTER_STAGES: dict[str, dict[str, tuple[str, str]]] = {
+    "reference": {"main_x": ("dspark_kernels.reference.observe", "main_x"),
+                  "context_keys": ("dspark_kernels.reference.draft_attention", "context_keys"),
+                  "attention": ("dspark_kernels.reference.draft_attention", "block_attention"),
+                  "markov": ("dspark_kernels.reference.markov", "markov_heads")},
+    "pypto": {"main_x": ("dspark_kernels.pypto.observe", "main_x_isolated"),
+              "context_keys": ("dspark_kernels.pypto.observe", "context_keys_isolated"),
+              "attention": ("dspark_kernels.pypto.draft_attention", "block_attention_isolated"),
+              "markov": ("dspark_kernels.pypto.markov", "markov_heads_isolated")}}
+
+
+def __getattr__(name: str) -> object:
+    if name == "DRAFT_ATTENTION":
+        warnings.warn("dspark_kernels.drafter.DRAFT_ATTENTION is deprecated: the drafter's stages are registered "
+                      "in DRAFTER_STAGES (its 'attention' entries)", DeprecationWarning, stacklevel=2)
+        return {backend: stages["attention"] for backend, stages in DRAFTER_STAGES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @attrs.frozen(eq=False)
@@ -157,7 +176,8 @@ class DSparkDrafter:
     config: the target's DSpark :class:`ModelConfig` (``dspark_*`` keys, ``n_mtp_layers``); weights: the
     :class:`DrafterWeights`; target: the target's :class:`ModelWeights` (embedding and LM head are shared);
     precision: ``"fp32"`` (default), ``"deepseek"`` (the release's bf16 activations and FP8 inputs) or ``"a2a3"``
-    (the a2a3 kernels' numerics in the stages shared with the target; ``main_proj`` and the heads in fp32);
+    (the a2a3 kernels' numerics: bf16 weights and activations between stages, ``main_x`` included, fp32
+    accumulation; the Markov and confidence heads in fp32);
     backend: a :class:`Backend`, or a registry name (``"reference"``, ``"pypto"``: resolved for ``precision``,
     ``config.invalid`` when the backend cannot compute it; the pypto kernels compute ``"a2a3"``), default the
     reference;
@@ -194,12 +214,16 @@ class DSparkDrafter:
         self.tp, self.tp_mode = tp, tp_mode
         self.backend = resolve_backend(backend, precision) if isinstance(backend, str) else default_backend(backend)
         name = backend if isinstance(backend, str) else _registry_name(self.backend)
-        if name not in DRAFT_ATTENTION:
-            raise ABIError([Issue("config.invalid", "backend", "the drafter's attention is registered for the "
-                                  "backends of the registry", expected=list(DRAFT_ATTENTION),
+        if name not in DRAFTER_STAGES:
+            raise ABIError([Issue("config.invalid", "backend", "the drafter's stages are registered for the "
+                                  "backends of the registry", expected=list(DRAFTER_STAGES),
                                   actual=type(self.backend).__qualname__)])
-        module, function = DRAFT_ATTENTION[name]
-        self._attention: Callable[..., np.ndarray] = getattr(importlib.import_module(module), function)
+        stages = {stage: getattr(importlib.import_module(module), function)
+                  for stage, (module, function) in DRAFTER_STAGES[name].items()}
+        self._main_x: Callable[..., np.ndarray] = stages["main_x"]
+        self._context_keys: Callable[..., np.ndarray] = stages["context_keys"]
+        self._attention: Callable[..., np.ndarray] = stages["attention"]
+        self._markov_heads: Callable[..., tuple[np.ndarray, np.ndarray]] = stages["markov"]
         self.window_cache = DrafterWindow(config)
         self._prepared = PreparedWeightsCache(keep=weights.stages.keep_layers)
         self.recipe: DrafterRecipe | None = None
@@ -240,12 +264,11 @@ class DSparkDrafter:
     # ------------------------------------------------------------------ observe
     def main_x(self, features: np.ndarray) -> np.ndarray:
         """``rms_norm(main_proj(features), main_norm)`` [n, D] float32 of target features [n, T*D] (bf16 values in
-        deepseek, whose FP8 ``main_proj`` quantises its input in 1x128 blocks)."""
-        w, prec = self.weights, self.precision
-        if prec == "deepseek":
-            a = ds.act_quant(features) if w.main_proj_fp8 else features
-            return narrow(rms_norm(bf16_round(linear(a, w.main_proj)), w.main_norm, self.config.rms_norm_eps), prec)
-        return rms_norm(linear(features, w.main_proj), w.main_norm, self.config.rms_norm_eps)
+        a2a3 and deepseek; :func:`dspark_kernels.reference.observe.main_x`, through the backend's registered
+        stage)."""
+        w = self.weights
+        return self._main_x(features, w.main_proj, w.main_norm, self.config.rms_norm_eps, self.precision,
+                            w.main_proj_fp8)
 
     def attach(self, tables: PersistentTables) -> None:
         """The persistent tables whose ``ori`` pool the drafter's window lives in (the allocator's
@@ -299,7 +322,7 @@ class DSparkDrafter:
             cos, sin = rope_at(c, "swa", kept_pos, self.precision)
             for s in range(c.n_mtp_layers):
                 w = self._prepared.get(self.weights.stage(s).attn, self.precision)
-                keys.append(context_keys(x, w, cos, sin, c.rms_norm_eps, self.precision))     # (N, hd)
+                keys.append(self._context_keys(x, w, cos, sin, c.rms_norm_eps, self.precision))  # (N, hd)
         for s, stage_keys in enumerate(keys):
             cache.write(s, rows, stage_keys)
         cache.advance(request_ids, ends)
@@ -419,18 +442,8 @@ class DSparkDrafter:
     def _markov(self, logits: np.ndarray, h: np.ndarray, anchors: np.ndarray) -> DraftOutput:
         """Greedy drafts and confidences from base logits [R, B, V] and pre-norm head rows h [R, B, D]."""
         w = self.weights
-        r, b, _ = logits.shape
-        tokens = np.empty((r, b), np.int64)
-        embeds = np.empty((r, b, w.markov_w1.shape[1]), np.float32)
-        previous = anchors
-        for i in range(b):  # left to right: each row's bias depends on the previous row's choice
-            embeds[:, i] = w.markov_w1[previous]                                               # (R, r)
-            biased = logits[:, i] + embeds[:, i] @ w.markov_w2.T                               # (R, V)
-            previous = tokens[:, i] = np.argmax(biased, axis=-1)
-        if w.confidence is None:
-            return DraftOutput(tokens, np.zeros((r, b), np.float32))
-        joined = np.concatenate([h, embeds], axis=-1)                                          # (R, B, D + r)
-        return DraftOutput(tokens, (joined @ w.confidence[0]).astype(np.float32))
+        proj = None if w.confidence is None else w.confidence[0]                               # (D + r,)
+        return DraftOutput(*self._markov_heads(logits, h, anchors, w.markov_w1, w.markov_w2, proj))
 
     # ------------------------------------------------------------------ the speculative.Drafter protocol
     def propose(self, request_ids: Sequence[int], contexts: Sequence[np.ndarray],

@@ -25,7 +25,7 @@ HELPERS = {"reference": {"__init__", "tiling"},
 LAYER_STAGES = {"hyper_connections", "moe", "head"}
 #: The DSpark drafter's own stages: one module per backend, registered by dspark_kernels.drafter (not in the
 #: Backend protocol: only the drafter runs them).
-DRAFTER_STAGES = {"draft_attention"}
+DRAFTER_STAGES = {"draft_attention", "observe", "markov"}
 
 
 def _modules(backend: str) -> set[str]:

@@ -63,7 +63,8 @@ class DrafterWindow:
     def attach(self, tables: PersistentTables) -> None:
         """Back the window by ``tables``' ``ori`` pool. The first attach (or one with nothing observed) allocates
         ``keys`` [S, pool_blocks.ori * 32, D] (zeros); tables of another ``ori`` geometry (``config.mismatch``) or,
-        with requests observed, of another ``ori`` block count are refused, nothing changes."""
+        with requests observed, of another ``ori`` block count or that do not hold an observed request's last
+        position in its ``ori`` run (another allocator's tables, a stale mirror) are refused, nothing changes."""
         if tables is self.tables:
             return
         issues = []
@@ -79,11 +80,34 @@ class DrafterWindow:
             issues.append(Issue("config.mismatch", "pool_blocks.ori", "the drafter holds observed rows in an ori "
                                 "pool of another block count", expected=self.keys.shape[1] // self.page_size,
                                 actual=blocks, fix="release every observed request before attaching other tables"))
+        if not issues and self.last and self.tables is not None:
+            issues += self._holding_issues(tables)
         if issues:
             raise ABIError(issues)
         if not self.last or self.keys.shape[1] != blocks * self.page_size:
             self.keys = np.zeros((self.stages, blocks * self.page_size, self.config.head_dim), np.float32)
         self.tables = tables
+
+    def _holding_issues(self, tables: PersistentTables) -> list[Issue]:
+        """``config.mismatch`` for every observed request whose last observed position is not in its current ``ori``
+        run in ``tables`` (tables that are not a copy of the ones the rows were written through: another
+        allocator's, or a mirror behind them), O(requests observed)."""
+        ids = list(self.last)
+        slots = np.array([-1 if (s := tables.slot_of(r)) is None else s for r in ids], np.int64)
+        last = np.array([self.last[r] for r in ids], np.int64)
+        first, end = tables.runs("ori")
+        page = last // self.page_size
+        held = slots >= 0
+        inside = held & (page >= first[np.maximum(slots, 0)]) & (page < end[np.maximum(slots, 0)])
+        return [Issue("config.mismatch", "tables", "the tables do not hold the ori pages of a request the drafter "
+                      "observed through its current tables", index=i, request=ids[i],
+                      expected=f"position {int(last[i])} in the request's ori run",
+                      actual="no slot" if not held[i] else
+                      f"pages [{int(first[slots[i]])}, {int(end[slots[i]])}) hold positions "
+                      f"[{int(first[slots[i]]) * self.page_size}, {int(end[slots[i]]) * self.page_size})",
+                      fix="attach a copy of the tables the request's steps were built on (or release the requests "
+                          "first)")
+                for i in np.flatnonzero(~inside).tolist()]
 
     def _attached(self, field: str) -> PersistentTables:
         if self.tables is None:

@@ -20,6 +20,10 @@ bf16 in (one shard of ``head.weight``, pad rows 0); ``logits`` [M, Vp] fp32 out:
 ``greedy`` kernel: ``logits`` [M, Vp] fp32 in (pad columns -inf), ``rows`` [M] int32 in; ``ids`` [M, 1] int32 out:
 the first maximum's column (``min {v : logits[v] == max}``, the ids as fp32 integers, exact below 2**24),
 -1 on inactive rows.
+
+The DSpark drafter's ``markov`` (left-to-right biased first maximum over its B block rows, in one call) and
+``confidence`` kernels build on the same scan (:func:`first_max`); their contracts are
+:mod:`dspark_kernels.pypto.markov`'s.
 """
 
 # No `from __future__ import annotations` in kernel modules: pypto evaluates kernel annotations as objects.
@@ -49,6 +53,12 @@ VOCAB_ALIGN = MIN_COLUMNS
 GREEDY_TILE = (8, 1024)
 #: Cube tiles of the LM head: bf16 B operand tk * tn * 2 B <= 64 KB (L0B), k 256 x n 128 as o_proj's.
 LM_TK, LM_TN, LM_TK_L1 = 256, 128, 1024
+#: Vector tiles of the Markov head's bias add and first-maximum scan (rows, vocabulary columns). FLASH-DSpark,
+#: R = 64, 5 block rows: 5,018,082 cycles with (8, 1024), 5,060,831 with (4, 2048); (16, 1024) and (8, 2048)
+#: gave no cycle count (their runs ended without one; the cause was not looked into).
+MARKOV_TILE = GREEDY_TILE
+#: Rows of a confidence-head vector tile (a [rows, D] fp32 tile: 64 KB of the 192 KB UB at D = 4096).
+CONFIDENCE_ROWS = 4
 
 
 class HeadParams(Protocol):
@@ -144,17 +154,79 @@ def greedy_kernel(m: int, vocab: int) -> Any:
                logits: pypto.Tensor([m, vocab], pypto.DT_FP32), row_ids: pypto.Tensor([m], pypto.DT_INT32),
                ids: pypto.Tensor([m, 1], pypto.DT_INT32)):
         _sizes = (m, vocab)  # closure capture: the annotations read these
-        pypto.set_vec_tile_shapes(GREEDY_TILE[1])  # arange needs a 1-D tile shape
-        ramp = pypto.reshape(pypto.cast(pypto.arange(vocab), pypto.DT_FP32), [1, vocab])
-        pypto.set_vec_tile_shapes(*GREEDY_TILE)
-        top = pypto.amax(logits, -1, keepdim=True)                                           # [M, 1]
-        at_top = pypto.ge(pypto.sub(logits, top), 0.0)              # x - max == 0 exactly at the maxima
-        columns = pypto.where(at_top, pypto.expand_clone(ramp, [m, vocab]), float(vocab))
-        first = pypto.amin(columns, -1, keepdim=True)                                        # [M, 1]
+        first = first_max(logits, column_ramp(vocab))                                        # [M, 1]
         live = pypto.ge(pypto.reshape(pypto.cast(row_ids, pypto.DT_FP32), [m, 1]), 0.0)
         ids[:] = pypto.cast(pypto.where(live, first, -1.0), pypto.DT_INT32)
 
     return greedy
+
+
+def column_ramp(vocab: int) -> Any:
+    """[1, Vp] fp32 column numbers 0 .. Vp - 1 (traced)."""
+    pypto.set_vec_tile_shapes(GREEDY_TILE[1])  # arange needs a 1-D tile shape
+    return pypto.reshape(pypto.cast(pypto.arange(vocab), pypto.DT_FP32), [1, vocab])
+
+
+def first_max(values: Any, ramp: Any, tiles: tuple[int, int] = GREEDY_TILE) -> Any:
+    """[M, 1] fp32 column of each row's first maximum of ``values`` [M, Vp] fp32 (``ramp``: :func:`column_ramp`;
+    ``tiles``: its vector tiles; traced): ``min {v : values[v] == max}``."""
+    m, vocab = values.shape
+    pypto.set_vec_tile_shapes(*tiles)
+    top = pypto.amax(values, -1, keepdim=True)                                              # [M, 1]
+    at_top = pypto.ge(pypto.sub(values, top), 0.0)                 # x - max == 0 exactly at the maxima
+    columns = pypto.where(at_top, pypto.expand_clone(ramp, [m, vocab]), float(vocab))
+    return pypto.amin(columns, -1, keepdim=True)
+
+
+@lru_cache(maxsize=16)
+def markov_kernel(requests: int, vocab: int, table: int, rank: int, steps: int) -> Any:
+    """The Markov-head jit kernel for one geometry (:mod:`dspark_kernels.pypto.markov`): ``vocab`` = Vp logit
+    columns, ``table`` = V rows of ``w1``, ``steps`` block rows (B, or 1 for one row's step)."""
+    tm, tk, tn = tile(requests, 128), tile(rank, LM_TK), tile(vocab, LM_TN)
+
+    @kernel
+    def markov(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+               logits: pypto.Tensor([steps * requests, vocab], pypto.DT_FP32),
+               anchors: pypto.Tensor([requests], pypto.DT_INT32),
+               w1: pypto.Tensor([table, rank], pypto.DT_BF16), w2: pypto.Tensor([vocab, rank], pypto.DT_BF16),
+               ids: pypto.Tensor([steps * requests, 1], pypto.DT_INT32)):
+        _sizes = (requests, vocab, table, rank, steps)  # closure capture: the annotations read these
+        ramp = column_ramp(vocab)
+        previous = anchors
+        for i in range(steps):  # traced: each row's gather reads the previous row's ids, a tensor of the graph
+            pypto.set_vec_tile_shapes(64, rank)
+            emb = pypto.index_select(w1, 0, previous)                                        # [R, r] bf16
+            pypto.set_cube_tile_shapes([tm, tm], [tk, tk], [tn, tn])
+            bias = pypto.matmul(emb, w2, pypto.DT_FP32, b_trans=True)                        # [R, Vp]
+            pypto.set_vec_tile_shapes(*MARKOV_TILE)
+            biased = pypto.add(pypto.view(logits, [requests, vocab], [i * requests, 0]), bias)
+            chosen = pypto.cast(first_max(biased, ramp, MARKOV_TILE), pypto.DT_INT32)        # [R, 1]
+            pypto.assemble(chosen, [i * requests, 0], ids)
+            previous = pypto.reshape(chosen, [requests])
+
+    return markov
+
+
+@lru_cache(maxsize=16)
+def confidence_kernel(rows: int, hidden: int, table: int, rank: int) -> Any:
+    """The confidence-head jit kernel for one geometry (:mod:`dspark_kernels.pypto.markov`)."""
+
+    @kernel
+    def confidence(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+                   h: pypto.Tensor([rows, hidden], pypto.DT_FP32),
+                   previous: pypto.Tensor([rows], pypto.DT_INT32),
+                   w1: pypto.Tensor([table, rank], pypto.DT_BF16),
+                   proj: pypto.Tensor([1, hidden + rank], pypto.DT_FP32),
+                   out: pypto.Tensor([rows, 1], pypto.DT_FP32)):
+        _sizes = (rows, hidden, table, rank)  # closure capture: the annotations read these
+        pypto.set_vec_tile_shapes(CONFIDENCE_ROWS, rank)
+        emb = pypto.cast(pypto.index_select(w1, 0, previous), pypto.DT_FP32)                # [M, r]
+        tail = pypto.sum(pypto.mul(emb, pypto.view(proj, [1, rank], [0, hidden])), -1, keepdim=True)
+        pypto.set_vec_tile_shapes(CONFIDENCE_ROWS, hidden)
+        head = pypto.sum(pypto.mul(h, pypto.view(proj, [1, hidden], [0, 0])), -1, keepdim=True)
+        out[:] = pypto.add(head, tail)
+
+    return confidence
 
 
 def run_final_hidden(x_hc: np.ndarray, weights: HeadParams, *, eps: float, norm_eps: float) -> LaunchResult:

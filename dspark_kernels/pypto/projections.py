@@ -19,6 +19,11 @@ bf16(rope(rms(x @ wkv.T, kv_norm))) (:func:`run_shared_kv` returns it as [P, 1, 
 accumulated in fp32 per K slice and the slices' partials are added in slice order (a summation order of
 its own: see KV_K_SLICES).
 
+``linear_norm`` kernel: the shared kv kernel without RoPE (the same cube tiles, K slices and epilogue),
+``out`` [P, D] bf16 = bf16(rms(x @ w.T, norm)) of ``x`` [P, X] bf16, ``w`` [D, X] bf16, ``norm`` [1, D] fp32:
+the DSpark drafter's ``main_x`` (X = T*D target features, ``main_proj``, ``main_norm``). Its K is split only as
+far as one wave of cube tasks allows (:func:`linear_norm_slices`: a wide D has enough output tiles unsplit).
+
 Tiles were chosen with pypto's A2/A3 cost model (``benchmarks/bench_pypto.py``, FLASH sizes, P = 512, L = 128);
 the cycles behind each choice sit next to the constants below.
 """
@@ -60,6 +65,8 @@ ROW_TILE_ELEMENTS = 16384
 #: of 21k-23k (1 MB each): 67.5k. Tried: 2 slices, 16 tasks of 32k (75.0k); 256 x 128 tiles (68.6k); more
 #: than 24 tasks run in two rounds (108k-123k, and 110.9k for 6 slices of 128 x 128 tiles).
 KV_K_SLICES = 3
+#: Cube cores of A2/A3 (``cube_core_cnt`` of pypto's ``A2A3.ini``): one wave of cube tasks.
+CUBE_CORES = 24
 #: Output tile columns (L0B k 128 x n 256 bf16 = 64 KB, L0C 128 x 256 fp32 = 128 KB) and the K step.
 KV_COLUMNS = 256
 KV_K_L0 = 128
@@ -161,10 +168,7 @@ def _k_slices(hidden: int, step: int, parts: int) -> list[int]:
 @lru_cache(maxsize=16)
 def shared_kv_kernel(rows: int, hidden: int, dim: int, rope: int, eps: float) -> Any:
     """The kv-path jit kernel for one geometry (``cs`` [P, rd] bf16: each row's cos | sin)."""
-    tm, tn, tk = tile(rows, 128), tile(dim, KV_COLUMNS), tile(hidden, KV_K_L0)
-    widths = _k_slices(hidden, tk, KV_K_SLICES)
-    tk_l1 = tk * max(1, min(KV_K_L1_STEPS, min(widths) // tk))
-    vec_rows = _row_tile(rows, len(widths) * dim, KV_TILE_ELEMENTS)[0]
+    tm, tk, tn, widths, tk_l1, vec_rows = _linear_norm_tiles(rows, hidden, dim, KV_K_SLICES)
 
     @kernel
     def shared_kv(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
@@ -179,6 +183,44 @@ def shared_kv_kernel(rows: int, hidden: int, dim: int, rope: int, eps: float) ->
         _kv_rows(partials, len(widths), kv_norm, cs, kv, vec_rows, eps)
 
     return shared_kv
+
+
+def linear_norm_slices(rows: int, hidden: int, dim: int) -> int:
+    """K slices of the linear + norm kernel: as many (up to :data:`KV_K_SLICES`) as keep the output tiles times
+    the slices within one wave of :data:`CUBE_CORES` cube tasks (a wide D has enough output tiles alone)."""
+    tiles = -(-rows // tile(rows, 128)) * -(-dim // tile(dim, KV_COLUMNS))
+    return max(1, min(KV_K_SLICES, CUBE_CORES // tiles))
+
+
+@lru_cache(maxsize=16)
+def linear_norm_kernel(rows: int, hidden: int, dim: int, eps: float, slices: int) -> Any:
+    """The shared kv kernel without RoPE, for one geometry: ``out`` [P, D] bf16 = bf16(rms(x @ w.T, norm)) of
+    ``x`` [P, X] bf16, ``w`` [D, X] bf16, ``norm`` [1, D] fp32 (the drafter's ``main_x``: X = T*D)."""
+    tm, tk, tn, widths, tk_l1, vec_rows = _linear_norm_tiles(rows, hidden, dim, slices)
+
+    @kernel
+    def linear_norm(  # type: ignore[no-untyped-def]  # pypto forbids a return annotation
+            x: pypto.Tensor([rows, hidden], pypto.DT_BF16),
+            w: pypto.Tensor([dim, hidden], pypto.DT_BF16),
+            norm: pypto.Tensor([1, dim], pypto.DT_FP32),
+            out: pypto.Tensor([rows, dim], pypto.DT_BF16)):
+        _sizes = (rows, hidden, dim)  # closure capture: the annotations read these
+        pypto.set_cube_tile_shapes([tm, tm], [tk, tk_l1], [tn, tn])
+        partials = _k_partials(x, w, widths)
+        _kv_rows(partials, len(widths), norm, None, out, vec_rows, eps)
+
+    return linear_norm
+
+
+def _linear_norm_tiles(rows: int, hidden: int, dim: int, slices: int
+                       ) -> tuple[int, int, int, list[int], int, int]:
+    """(cube tiles m, k, n, the K slices' widths, the L1 panel depth, the epilogue's rows per tile) of the shared
+    kv and linear + norm kernels."""
+    tk = tile(hidden, KV_K_L0)
+    widths = _k_slices(hidden, tk, slices)
+    tk_l1 = tk * max(1, min(KV_K_L1_STEPS, min(widths) // tk))
+    return (tile(rows, 128), tk, tile(dim, KV_COLUMNS), widths, tk_l1,
+            _row_tile(rows, len(widths) * dim, KV_TILE_ELEMENTS)[0])
 
 
 def _k_partials(x: Any, wkv: Any, widths: list[int]) -> Any:
@@ -196,11 +238,10 @@ def _k_partials(x: Any, wkv: Any, widths: list[int]) -> Any:
     return partials
 
 
-def _kv_rows(partials: Any, slices: int, kv_norm: Any, cs: Any, kv: Any, vec_rows: int, eps: float) -> None:
+def _kv_rows(partials: Any, slices: int, kv_norm: Any, cs: Any | None, kv: Any, vec_rows: int, eps: float) -> None:
     """Per tile of ``vec_rows`` rows, one task: the sum of the K slices' partials (fp32, in slice order),
-    weighted RMS, RoPE, bf16 into ``kv`` (traced, plain Python)."""
+    weighted RMS, RoPE (none when ``cs`` is None), bf16 into ``kv`` (traced, plain Python)."""
     rows, dim = kv.shape
-    rope = cs.shape[1]
     for g, r0 in enumerate(range(0, rows, vec_rows)):
         n = min(vec_rows, rows - r0)
         pypto.set_pass_options(sg_set_scope=KV_SCOPE + g)
@@ -212,6 +253,10 @@ def _kv_rows(partials: Any, slices: int, kv_norm: Any, cs: Any, kv: Any, vec_row
         for i in range(1, slices):
             v = pypto.add(v, pypto.view(block, [n, dim], [0, i * dim]))
         v = rms_norm(v, kv_norm, eps)
+        if cs is None:
+            pypto.assemble(pypto.cast(v, pypto.DT_BF16), [r0, 0], kv)
+            continue
+        rope = cs.shape[1]
         pypto.set_vec_tile_shapes(vec_rows, rope)
         c = pypto.cast(pypto.view(cs, [n, rope], [r0, 0]), pypto.DT_FP32)  # one copy of cos | sin
         pypto.set_vec_tile_shapes(vec_rows, dim)
@@ -249,3 +294,12 @@ def run_shared_kv(x: np.ndarray, wkv: np.ndarray, kv_norm: np.ndarray, cos: np.n
     result = launch(k, [x.astype(BF16), wkv.astype(BF16), np.asarray(kv_norm, np.float32).reshape(1, -1), cs,
                         Out((rows, dim), BF16, "kv")])
     return LaunchResult((*result.values[:-1], result.values[-1].reshape(rows, 1, dim)), result.cycles)
+
+
+def run_linear_norm(x: np.ndarray, w: np.ndarray, norm: np.ndarray, eps: float) -> LaunchResult:
+    """Linear + RMSNorm on numpy arrays (x [P, X], w [D, X] bf16-valued; norm [D]); ``values[-1]`` = [P, D] bf16."""
+    rows, hidden = x.shape
+    dim = w.shape[0]
+    k = linear_norm_kernel(rows, hidden, dim, float(eps), linear_norm_slices(rows, hidden, dim))
+    return launch(k, [x.astype(BF16), w.astype(BF16), np.asarray(norm, np.float32).reshape(1, -1),
+                      Out((rows, dim), BF16, "out")])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import pickle
 from pathlib import Path
 
 import attrs
@@ -315,3 +316,40 @@ def test_add_verify_many_equals_add_verify_one_by_one():
     with pytest.raises(ABIError) as err:
         loop.builder.build()
     assert err.value.codes == {"builder.request"}
+
+
+def test_flat_stores_stay_the_live_storage_through_growth_copy_and_pickle():
+    """The seven tables and block-owner arrays are views of one flat store each (one numpy call reads or writes the
+    cells of every pool): after the allocator grew its slots, in a copy and in a pickled round trip, every per-pool
+    view is still the store's, the allocator's aliases are the tables' own, and the owners agree with the tables."""
+    loop = Loop(TINY, 11)                     # capacity 2: the steps below grow the slots
+    for _ in range(8):
+        _, step = loop.both()
+        loop.commit(step)
+    alloc, tables = loop.alloc, loop.alloc.persistent
+    assert tables.slots > 2
+    assert alloc._tables is tables._tables and alloc._first is tables._first and alloc._end is tables._end
+    copies = (tables, tables.copy(), pickle.loads(pickle.dumps(tables)))
+    for t in copies:
+        for p in POOL_NAMES:
+            assert np.shares_memory(t._tables[p], t._flat) and np.shares_memory(t._owner[p], t._owners)
+            assert np.shares_memory(t._first[p], t._runs) and np.shares_memory(t._end[p], t._runs)
+            np.testing.assert_array_equal(t.table(p), tables.table(p))
+            table, owner = t.table(p), t._owner[p]
+            held = table >= 0
+            expected = np.full(owner.size, -1, np.int32)
+            expected[table[held]] = np.nonzero(held)[0]
+            np.testing.assert_array_equal(owner, expected)
+        assert t.prove() == []
+    for a, b in ((copies[0], copies[1]), (copies[0], copies[2])):
+        assert not np.shares_memory(a._flat, b._flat) and not np.shares_memory(a._owners, b._owners)
+    assert copies[1].config is tables.config and copies[1].pool_blocks is tables.pool_blocks   # immutable: shared
+    # a step built and committed after all this writes the allocator's live tables (the copies stay as they were)
+    frozen = {p: copies[1].table(p).copy() for p in POOL_NAMES}
+    _, step = loop.both()
+    loop.commit(step)
+    assert tables.prove() == []
+    changed = [p for p in POOL_NAMES if not np.array_equal(tables.table(p), frozen[p])]
+    assert changed, "the commit wrote no cell of the allocator's tables"
+    for p in POOL_NAMES:
+        np.testing.assert_array_equal(copies[1].table(p), frozen[p])

@@ -285,6 +285,22 @@ def test_implied_logit_rows_is_the_one_rule():
     assert implied_logit_rows(start, end, np.array([0, 2, 2, 2])).tolist() == [-1, -1, 3, 4, 5, 6, 7, 8]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(-1, 3)), max_size=12))
+def test_implied_logit_rows_matches_the_rule_request_by_request(requests):
+    """The vectorized rule against the rule spelled per request: intent 2 every row of a non-empty request, 1 its
+    last row, anything else (or an empty request) one -1."""
+    lengths = np.array([n for n, _ in requests], np.int64)
+    end = np.cumsum(lengths)
+    start = end - lengths
+    mode = np.array([m for _, m in requests], np.int8)
+    want: list[int] = []
+    for lo, hi, m in zip(start.tolist(), end.tolist(), mode.tolist(), strict=True):
+        want += list(range(lo, hi)) if m == 2 and hi > lo else [hi - 1] if m == 1 and hi > lo else [-1]
+    got = implied_logit_rows(start, end, mode)
+    assert got.dtype == np.int32 and got.tolist() == want
+
+
 def test_evolving_a_batch_rederives_its_record():
     batch = _verify_batch()
     plain = attrs.evolve(batch, verify_widths=None, logit_mode=None, logit_rows=np.array([3], np.int32))

@@ -619,6 +619,15 @@ def test_attach_refuses_other_tables_while_requests_are_observed():
     assert _state(d) == before
     steps.attach(d)                                                        # the same tables again: nothing changes
     assert _state(d) == before
+    same_blocks = Steps(C, pool_blocks=steps.alloc.pool_blocks)            # another allocator of the same size:
+    with pytest.raises(ABIError) as err:                                   # it does not hold request 1's pages
+        same_blocks.attach(d)
+    assert [(i.code, i.request) for i in err.value.issues] == [("config.mismatch", 1)]
+    assert _state(d) == before and d.window_cache.tables is steps.alloc.persistent
+    mirror = steps.alloc.persistent.copy()                                 # a mirror of the same tables: accepted,
+    d.attach(mirror)                                                       # the window kept
+    assert _state(d)[:2] == before[:2] and d.window_cache.tables is mirror
+    steps.attach(d)
     with pytest.warns(DeprecationWarning):                                 # 1.3's name of the window cache
         assert d.rings is d.window_cache
     d.release([1])
@@ -632,3 +641,12 @@ def _observed_alone(rid: int, n: int) -> DSparkDrafter:
     d = _drafter()
     _observe(d, {rid: n})
     return d
+
+
+def test_draft_attention_is_a_deprecated_alias_of_the_stage_registry():
+    from dspark_kernels import drafter
+
+    with pytest.warns(DeprecationWarning, match="DRAFTER_STAGES"):
+        old = drafter.DRAFT_ATTENTION
+    assert old == {name: stages["attention"] for name, stages in drafter.DRAFTER_STAGES.items()}
+    assert _drafter()._markov_heads.__module__ == "dspark_kernels.reference.markov"   # the reference's stages

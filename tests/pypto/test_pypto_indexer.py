@@ -100,32 +100,45 @@ def _distinct_at_k(scores: np.ndarray, k: int) -> bool:
     return best.size <= k or best[k - 1] - best[k] > TOPK_TIE_ATOL + TOPK_TIE_RTOL * abs(best[k - 1])
 
 
-def test_tiled_topk_matches_reference():
-    """The top-k in column tiles merged as a tree (``indexer.sort_tiles``: 200 candidates in 4 tiles of 64, merged
-    in pairs, 4 -> 2 -> 1; in 3 tiles of 96 merged at once; with k = 8 in 4 rounds of 2) and the single pass,
-    on host-built candidates, against the reference's ``select_topk``. Rows: distinct keys; 40 % non-candidate
-    (-1) columns in every tile; 5 candidates (< k) spread over 4 tiles; every key 10 times (exact ties)."""
+def _direct_case(rows: int, columns: int, pool_rows: int, first_position: int, edit) -> tuple:  # type: ignore[no-untyped-def]
+    """An indexer call on host-built candidates: random CSA weights and rows at ``first_position`` onwards, an idx
+    pool of ``pool_rows`` random keys, each row's ``columns`` distinct candidate rows (then ``edit(cand, rng)``
+    changes them in place). Returns (the ``indexer_direct`` arguments before ``topk``, the reference's scores
+    [rows, columns], -inf on non-candidates)."""
     rng = np.random.default_rng(SEED)
-    c, rows, columns, pool_rows = CONFIG, 4, 200, 256
+    c = CONFIG
     w = prepare_weights(AttentionWeights.random(c, LAYER, seed=SEED), "a2a3")
     x = bf16_round(rng.standard_normal((rows, c.hidden_size)).astype(np.float32))
-    pos = np.arange(rows, dtype=np.int64) + 1000
-    cos, sin = rope_at(c, "csa", pos, "a2a3")
+    cos, sin = rope_at(c, "csa", np.arange(rows, dtype=np.int64) + first_position, "a2a3")
     lrq = low_rank_query(x, w, c.rms_norm_eps, "a2a3")
     iq = index_query(lrq, x, w, cos, sin, c.index_n_heads, c.index_weight_scale, "a2a3")
     keys = IndexKeyPools(rng.integers(-127, 128, (pool_rows, c.index_head_dim)).astype(np.int8),
                          rng.uniform(1e-3, 2e-2, pool_rows).astype(np.float32))
     cand = np.stack([rng.permutation(pool_rows)[:columns] for _ in range(rows)]).astype(np.int32)
-    cand[1, rng.random(columns) < 0.4] = -1
-    cand[2] = -1
-    cand[2, [3, 70, 130, 150, 199]] = rng.choice(pool_rows, 5, replace=False)
-    cand[3] = np.arange(columns) % 20
+    edit(cand, rng)
     scores = np.stack([index_scores(iq.rows(t, t + 1), keys.keys[np.maximum(cand[t], 0)].astype(np.float32),
                                     keys.scales[np.maximum(cand[t], 0)], "a2a3")[0] for t in range(rows)])
-    scores = np.where(cand >= 0, scores, -np.inf)
-    k = c.index_topk
+    case = ((lrq.qr_q, lrq.qr_scale), x, w, c.index_n_heads, c.index_weight_scale, RopeRows(cos, sin), keys, cand)
+    return case, np.where(cand >= 0, scores, -np.inf)
+
+
+def test_tiled_topk_matches_reference():
+    """The top-k in column tiles merged as a tree (``indexer.sort_tiles``: 200 candidates in 4 tiles of 64, merged
+    in pairs, 4 -> 2 -> 1; in 3 tiles of 96 merged at once; with k = 8 in 4 rounds of 2) and the single pass,
+    on host-built candidates, against the reference's ``select_topk``. Rows: distinct keys; 40 % non-candidate
+    (-1) columns in every tile; 5 candidates (< k) spread over 4 tiles; every key 10 times (exact ties)."""
+    columns, pool_rows = 200, 256
+
+    def edit(cand: np.ndarray, rng: np.random.Generator) -> None:
+        cand[1, rng.random(columns) < 0.4] = -1
+        cand[2] = -1
+        cand[2, [3, 70, 130, 150, 199]] = rng.choice(pool_rows, 5, replace=False)
+        cand[3] = np.arange(columns) % 20
+
+    case, scores = _direct_case(4, columns, pool_rows, 1000, edit)
+    k = CONFIG.index_topk
     want = select_topk(scores, k)
-    args = ((lrq.qr_q, lrq.qr_scale), x, w, c.index_n_heads, c.index_weight_scale, RopeRows(cos, sin), keys, cand, k)
+    args = (*case, k)
     runs = ((0, 1), (64, 1), (64, 4), (96, 1))  # (tile_columns, rounds)
     results = run_isolated(pypto_cases.indexer_direct, [(*args, rounds, tiles) for tiles, rounds in runs])
     assert [r[1][:2] for r in results] == [(1, 224), (4, 64), (4, 64), (3, 96)]  # single pass, then tiled
@@ -159,24 +172,14 @@ def test_tiled_topk_at_the_flash_geometry():
     """The default tiling at FLASH's 64K-context geometry: 16,384 candidates per row and k = 512 (4 rounds), which
     no single sort holds (``max_sort_columns(512)`` = 9,728), so the kernel sorts 4 tiles of 4,096 and merges their
     winners at once. Distinct random scores (one row 30 % non-candidates): the selected sets equal the reference's."""
-    rng = np.random.default_rng(SEED)
-    c, rows, columns, pool_rows, k = CONFIG, 2, 16384, 20000, 512
-    w = prepare_weights(AttentionWeights.random(c, LAYER, seed=SEED), "a2a3")
-    x = bf16_round(rng.standard_normal((rows, c.hidden_size)).astype(np.float32))
-    pos = np.arange(rows, dtype=np.int64) + 70000
-    cos, sin = rope_at(c, "csa", pos, "a2a3")
-    lrq = low_rank_query(x, w, c.rms_norm_eps, "a2a3")
-    iq = index_query(lrq, x, w, cos, sin, c.index_n_heads, c.index_weight_scale, "a2a3")
-    keys = IndexKeyPools(rng.integers(-127, 128, (pool_rows, c.index_head_dim)).astype(np.int8),
-                         rng.uniform(1e-3, 2e-2, pool_rows).astype(np.float32))
-    cand = np.stack([rng.permutation(pool_rows)[:columns] for _ in range(rows)]).astype(np.int32)
-    cand[1, rng.random(columns) < 0.3] = -1
-    scores = np.stack([index_scores(iq.rows(t, t + 1), keys.keys[np.maximum(cand[t], 0)].astype(np.float32),
-                                    keys.scales[np.maximum(cand[t], 0)], "a2a3")[0] for t in range(rows)])
-    scores = np.where(cand >= 0, scores, -np.inf)
+    rows, columns, k = 2, 16384, 512
+
+    def edit(cand: np.ndarray, rng: np.random.Generator) -> None:
+        cand[1, rng.random(columns) < 0.3] = -1
+
+    case, scores = _direct_case(rows, columns, 20000, 70000, edit)
     want = select_topk(scores, k)
-    args = ((lrq.qr_q, lrq.qr_scale), x, w, c.index_n_heads, c.index_weight_scale, RopeRows(cos, sin), keys, cand, k)
-    [(got, plan)] = run_isolated(pypto_cases.indexer_direct, [(*args, 0, 0)])
+    [(got, plan)] = run_isolated(pypto_cases.indexer_direct, [(*case, k, 0, 0)])
     assert plan[:2] == (4, 4096)                       # the production tiling, not the single pass
     assert all(_distinct_at_k(s, k) for s in scores)   # the k-th score is not tied: the sets are exact
     for t in range(rows):
