@@ -269,6 +269,10 @@ class ABIError(ValueError):
         self.issues: tuple[Issue, ...] = tuple(issues)
         super().__init__(self._render())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its issues (rank processes, kernel processes): the message is rendered again from them."""
+        return type(self), (self.issues,)
+
     @property
     def codes(self) -> set[str]:
         return {i.code for i in self.issues}

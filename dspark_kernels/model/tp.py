@@ -476,12 +476,6 @@ def _group_rank(rank: int, tp_size: int, init_file: str, backend: str, device: s
         dist.destroy_process_group()
 
 
-def _unpickled(exc: BaseException) -> BaseException:
-    """A rank's exception as raised there: an :class:`ABIError` is rebuilt from its issues (unpickling restores
-    them, but its message was rendered from the pickled message string, not from the issues)."""
-    return ABIError(exc.issues) if isinstance(exc, ABIError) and type(exc) is ABIError else exc
-
-
 class RankGroup:
     """``tp_size`` rank processes on ``torch.distributed`` that live across steps (a serving loop's TP group).
 
@@ -634,9 +628,9 @@ class RankGroup:
                 continue
             if what == "error":
                 self.close(grace=FAILED_STOP_GRACE_S)
-                raise _unpickled(value)
+                raise value
             if what == "refused":
-                refused[rank] = _unpickled(value)
+                refused[rank] = value
                 if grace_end is None:
                     grace_end = time.monotonic() + self.peer_grace
             elif what == kind:

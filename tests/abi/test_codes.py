@@ -249,3 +249,17 @@ def test_continue_padding_past_the_context_is_out_of_range():
         builder.build()
     assert err.value.codes == {"positions.out_of_range"}
     assert err.value.issues[0].index == 2  # the first padding row
+
+
+def test_an_abi_error_pickles_with_its_issues_and_message():
+    """Errors cross process boundaries (TP rank processes, pypto kernel processes): a pickled ABIError must come
+    back with the same issues and the same message (the default exception pickling re-ran __init__ on the message
+    string and rendered one issue per character)."""
+    import pickle
+
+    from dspark_abi import ABIError, Issue
+
+    err = ABIError([Issue("drafter.gap", "positions", "rows must continue", index=1, request=7, expected=3,
+                          actual=5, fix="observe every committed row once")])
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is ABIError and back.issues == err.issues and str(back) == str(err)
