@@ -170,7 +170,11 @@ def test_pypto_bench_round_sums_its_parts_and_gives_tokens_per_second(capsys):
         return {s: {"cycles": 2 * bench.stage_roofline(s, p, 4, r, ctx, logit_rows), "note": ""} for s in stages}
 
     earlier = {(p_draft, r): table(p_draft, draft, p_draft), (p_verify, r): table(p_verify, bench.STAGES, p_verify)}
+    p_observe = geometry["observe"][0]   # the observe's main_x (its keys are the verify table's shared kv)
+    earlier[(p_observe, r)] = {**earlier.get((p_observe, r), {}), **table(p_observe, {"main_x"}, None)}
     out = bench.draft_round(4, earlier=earlier)
+    assert all(row["note"].startswith("(earlier run)") for part in ("draft", "verify", "observe")
+               for row in out[part].values())   # every stage from the table: no kernel ran
     assert out["missing"] == []  # the indexer is priced like every other stage
     assert out["cycles"] == pytest.approx(sum(part["cycles"] for part in out["parts"].values()), rel=1e-12)
     assert out["cycles"] == pytest.approx(2 * out["roofline"], rel=1e-12)  # sums of 2x each term (fp64 rounding)
